@@ -1,0 +1,150 @@
+"""Write checkpoints in the families' real on-disk format (used by `kestrel make-model` and the trainer).
+
+Kestrel fuses some tensors in memory (q/k/v convs, stacked experts); on disk each family keeps its own layout:
+Kimi checkpoints write `block_sparse_moe.experts.N.w1/w2/w3` and separate `q/k/v_conv1d`, DeepSeek writes
+`mlp.experts.N.gate_proj/up_proj/down_proj`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from kestrel.config import model_config_from_dict
+from kestrel.models.decoder import CausalLM
+from kestrel.models.layers.kda import KDAAttention
+from kestrel.models.layers.moe import Experts, Router
+from kestrel.models.loader import build_model
+from kestrel.models.presets import preset_config
+from kestrel.tokenizer import BYTE_SPECIALS, byte_level_tokenizer, save_tokenizer
+
+_KIMI_EXPERT_NAMES = ("w1", "w3", "w2")
+_DS_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+@torch.no_grad()
+def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
+    """Deterministic random init in the style of the reference trainers (fla's KDA gate init included)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(t: torch.Tensor, scale: float = std) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen) * scale)
+
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            normal(module.weight)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+        elif isinstance(module, Experts):
+            normal(module.gate_up_proj)
+            normal(module.down_proj)
+        elif isinstance(module, Router):
+            normal(module.weight)
+            module.e_score_correction_bias.zero_()
+    for module in model.modules():
+        if isinstance(module, KDAAttention):
+            normal(module.conv1d.weight, 1.0 / math.sqrt(module.kernel))
+            module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(1.0, 16.0, generator=gen).log())
+            dt = torch.exp(torch.empty(module.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+            dt = dt.clamp_min(1e-4)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Kestrel's parameters under the checkpoint names of the model's family."""
+    kimi = model.cfg.model_type in ("kimi_linear", "kimi_k3")
+    expert_names = _KIMI_EXPERT_NAMES if kimi else _DS_EXPERT_NAMES
+    out: dict[str, torch.Tensor] = {}
+    state = model.state_dict()
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        disk = re.sub(r"\.mlp\.", ".block_sparse_moe.", name) if kimi else name
+        if name.endswith("self_attn.conv1d.weight"):
+            for part, piece in zip("qkv", tensor.chunk(3, dim=0)):
+                out[disk.replace("conv1d.weight", f"{part}_conv1d.weight")] = piece
+        elif name.endswith("experts.gate_up_proj"):
+            for e in range(tensor.shape[0]):
+                gate, up = tensor[e].chunk(2, dim=0)
+                out[disk.replace("gate_up_proj", f"{e}.{expert_names[0]}.weight")] = gate
+                out[disk.replace("gate_up_proj", f"{e}.{expert_names[1]}.weight")] = up
+        elif name.endswith("experts.down_proj"):
+            for e in range(tensor.shape[0]):
+                out[disk.replace("down_proj", f"{e}.{expert_names[2]}.weight")] = tensor[e]
+        elif name.endswith("self_attn.A_log") and kimi:
+            out[disk] = tensor.reshape(1, 1, -1, 1)
+        else:
+            out[disk] = tensor
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_checkpoint(
+    model: CausalLM,
+    config: dict[str, Any],
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
+    """config.json + safetensors (sharded with an index past `max_shard_bytes`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = export_state_dict(model)
+    if dtype is not None:
+        keep_fp32 = ("gate.weight", "e_score_correction_bias", "dt_bias", "A_log")
+        tensors = {k: v if k.endswith(keep_fp32) else v.to(dtype) for k, v in tensors.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    for stale in out.glob("model*.safetensors"):
+        stale.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / fname, metadata=meta)
+            weight_map |= {k: fname for k in shard}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def make_model(
+    family: str, size: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Path:
+    """Random checkpoint of a preset (config overrides allowed) written by Kestrel's own code."""
+    config = preset_config(family, size)
+    target = config["text_config"] if "text_config" in config else config
+    target.update(overrides)
+    cfg = model_config_from_dict(config)
+    model = init_random_(build_model(cfg, torch.float32), seed)
+    if dtype != torch.float32:
+        target["torch_dtype"] = str(dtype).removeprefix("torch.")
+    out = save_checkpoint(model, config, out_dir, dtype=dtype)
+    if cfg.vocab_size >= len(BYTE_SPECIALS) + 256:
+        save_tokenizer(byte_level_tokenizer(), out)
+    return out

@@ -1,0 +1,138 @@
+"""One decoder for every family, assembled per layer from `ModelConfig` (KDA / MLA / DSA; dense / MoE; AttnRes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.layers.attnres import attn_res_mix
+from kestrel.models.layers.kda import KDAAttention
+from kestrel.models.layers.mla import MLAAttention
+from kestrel.models.layers.moe import DenseMLP, MoE
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.kind = cfg.layer_kinds[layer_id]
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        if self.kind == "kda":
+            self.self_attn: nn.Module = KDAAttention(cfg, layer_id)
+        else:
+            self.self_attn = MLAAttention(cfg, layer_id, sparse=self.kind == "dsa")
+        self.is_moe = cfg.mlp_kinds[layer_id] == "moe"
+        self.mlp: nn.Module = MoE(cfg) if self.is_moe else DenseMLP(cfg, d, cfg.intermediate_size)
+        self.block_size = cfg.attn_res_block_size
+        if self.block_size:
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
+
+    def attention(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple | None) -> torch.Tensor:
+        if self.kind == "kda":
+            return self.self_attn(x, batch)
+        cos, sin = rope if rope is not None else (None, None)
+        return self.self_attn(x, batch, cos, sin)
+
+    def feed_forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if not self.is_moe:
+            return self.mlp(x)
+        forced = batch.forced_experts.get(self.layer_id) if batch.forced_experts else None
+        out, ids = self.mlp(x, forced)
+        if batch.routed_experts is not None:
+            batch.routed_experts[self.layer_id] = ids
+        return out
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: tuple | None) -> torch.Tensor:
+        """Plain pre-norm residual block."""
+        h = h + self.attention(self.input_layernorm(h), batch, rope)
+        return h + self.feed_forward(self.post_attention_layernorm(h), batch)
+
+    def forward_attn_res(
+        self, partial: torch.Tensor | None, bank: list[torch.Tensor], batch: ForwardBatch, rope: tuple | None
+    ) -> torch.Tensor:
+        """AttnRes block (DESIGN §2): mix → maybe snapshot → attention → mix → MLP. Returns the new partial."""
+        x = (
+            attn_res_mix(
+                partial, bank, self.self_attention_res_proj.weight, self.self_attention_res_norm.weight, self.eps
+            )
+            if bank
+            else partial
+        )
+        if self.layer_id % self.block_size == 0:
+            bank.append(partial)
+            partial = None
+        a = self.attention(self.input_layernorm(x), batch, rope)
+        partial = a if partial is None else partial + a
+        mixed = attn_res_mix(partial, bank, self.mlp_res_proj.weight, self.mlp_res_norm.weight, self.eps)
+        return partial + self.feed_forward(self.post_attention_layernorm(mixed), batch)
+
+
+class DecoderModel(nn.Module):
+    """Embeddings → layers → final norm. Parameter names follow the checkpoints' `model.*` names."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = (
+            RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+            if cfg.use_rope and cfg.attention_layers
+            else None
+        )
+        if cfg.attn_res_block_size:
+            self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        rope = self.rotary(batch.positions, h.dtype) if self.rotary is not None else None
+        if not self.cfg.attn_res_block_size:
+            for layer in self.layers:
+                h = layer(h, batch, rope)
+            return self.norm(h)
+        bank: list[torch.Tensor] = []
+        partial = h
+        for layer in self.layers:
+            partial = layer.forward_attn_res(partial, bank, batch, rope)
+        eps = self.cfg.rms_norm_eps
+        return self.norm(
+            attn_res_mix(partial, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, eps)
+        )
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns final hidden states; `logits` projects the rows you need (fp32)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype

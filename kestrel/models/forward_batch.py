@@ -1,0 +1,83 @@
+"""The one object every layer reads its batch metadata from.
+
+A batch is a flat run of tokens from several sequences. Sequence i contributes `extend_lens[i]` new tokens,
+positioned after `prefix_lens[i]` tokens whose state already lives in the cache. Layers never look up
+requests: the cache view attached to the batch knows where each sequence's KV pages and state slot are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class ModelCache(Protocol):
+    """What a layer may ask of the cache for the sequences of one batch (batch order, not request ids)."""
+
+    def store_kv(
+        self, layer: int, latent: torch.Tensor, rope_key: torch.Tensor, index_key: torch.Tensor | None
+    ) -> None:
+        """Write the new tokens' MLA latent [T, r], rope key [T, dr] and index key [T, Di] (batch order)."""
+
+    def load_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Full history of sequence `seq` (prefix + new tokens): latent [L, r], rope key [L, dr], index key."""
+
+    def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KDA conv state [B, C, kernel-1] and recurrent state [B, H, K, V] (fp32) of every batch sequence."""
+
+    def store_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        """Save the states after the batch's last token of each sequence."""
+
+
+@dataclass
+class ForwardBatch:
+    """Flat tokens of several sequences plus where each one starts; see module docstring."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    cache: ModelCache | None = None
+    # Optional per-token routing override (rollout routing replay): layer -> [T, top_k] expert ids.
+    forced_experts: dict[int, torch.Tensor] | None = None
+    # Filled by MoE layers when set to a dict: layer -> [T, top_k] expert ids actually used.
+    routed_experts: dict[int, torch.Tensor] | None = None
+    _starts: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.extend_lens) != len(self.prefix_lens):
+            raise ValueError("extend_lens and prefix_lens must have one entry per sequence")
+        starts, total = [], 0
+        for n in self.extend_lens:
+            starts.append(total)
+            total += n
+        if total != self.input_ids.shape[0]:
+            raise ValueError(f"extend_lens sum to {total} but input_ids has {self.input_ids.shape[0]} tokens")
+        self._starts = starts
+
+    @classmethod
+    def single(cls, input_ids: torch.Tensor, prefix_len: int = 0, cache: ModelCache | None = None) -> ForwardBatch:
+        """One sequence of new tokens after `prefix_len` cached ones."""
+        n = input_ids.shape[0]
+        positions = torch.arange(prefix_len, prefix_len + n, device=input_ids.device)
+        return cls(input_ids=input_ids, positions=positions, extend_lens=[n], prefix_lens=[prefix_len], cache=cache)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token: recurrent KDA and absorbed MLA paths apply batch-wide."""
+        return all(n == 1 for n in self.extend_lens)
+
+    def seq_slice(self, seq: int) -> slice:
+        start = self._starts[seq]
+        return slice(start, start + self.extend_lens[seq])
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Row of each sequence's last new token (where next-token logits come from)."""
+        idx = [s + n - 1 for s, n in zip(self._starts, self.extend_lens)]
+        return torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)

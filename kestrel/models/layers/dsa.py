@@ -1,0 +1,69 @@
+"""DSA lightning indexer: cheap per-token scores over the whole history, then top-k selection for MLA."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.models.layers.rope import apply_rope_half
+
+
+class Indexer(nn.Module):
+    """Score(t, s) = Σ_h w_h · ReLU(D^-1/2 · q[t,h]·k[s]); one cached key per token (DESIGN §2)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.rope_dim = cfg.qk_rope_head_dim if cfg.use_rope else 0
+        q_in = cfg.q_lora_rank or cfg.hidden_size
+        self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        if not self.rope_dim:
+            return x
+        rot = apply_rope_half(x[..., : self.rope_dim], cos, sin)
+        return torch.cat([rot, x[..., self.rope_dim :]], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """Index keys [T, D] for the cache."""
+        return self._rotate(self.k_norm(self.wk(x)), cos, sin)
+
+    def queries(
+        self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries [T, H, D] and per-head weights [T, H] (fp32, already scaled by H^-1/2)."""
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        q = self._rotate(q, cos, sin)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        return q, w
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [n, L] of n queries against L cached keys (fp32, no causal mask)."""
+        s = torch.einsum("nhd,ld->nhl", q.float(), keys.float()) * self.head_dim**-0.5
+        return torch.einsum("nh,nhl->nl", w, torch.relu(s))
+
+
+def causal_topk_mask(scores: torch.Tensor, prefix_len: int, topk: int) -> torch.Tensor:
+    """Allowed [n, L]: the top-k positions among s <= prefix_len + j for query j (all of them if fewer)."""
+    n, length = scores.shape
+    query_pos = torch.arange(prefix_len, prefix_len + n, device=scores.device)[:, None]
+    causal = torch.arange(length, device=scores.device)[None, :] <= query_pos
+    if length <= topk:
+        return causal
+    masked = scores.masked_fill(~causal, float("-inf"))
+    idx = masked.topk(topk, dim=-1).indices
+    selected = torch.zeros_like(causal).scatter_(-1, idx, True)
+    return selected & causal
+
+
+def causal_topk_indices(scores: torch.Tensor, prefix_len: int, topk: int) -> torch.Tensor:
+    """Indices [n, min(topk, L)] of the selection (future positions masked); used by the decode gather path."""
+    n, length = scores.shape
+    query_pos = torch.arange(prefix_len, prefix_len + n, device=scores.device)[:, None]
+    causal = torch.arange(length, device=scores.device)[None, :] <= query_pos
+    masked = scores.masked_fill(~causal, float("-inf"))
+    return masked.topk(min(topk, length), dim=-1).indices

@@ -1,0 +1,191 @@
+"""Kimi Delta Attention (KDA) math kernels in pure PyTorch.
+
+KDA is a gated delta rule with a *per-channel* decay. With a state S of shape [K, V] per head, each token does
+
+    S <- diag(exp(g_t)) S                       (per-channel forget)
+    S <- S + beta_t * k_t (v_t - S^T k_t)^T     (delta-rule write)
+    o_t = S^T q_t
+
+`kda_recurrent` is that loop verbatim (the oracle, and the decode path). `kda_chunked` computes the same thing in the
+chunked WY/UT form used by fla: everything inside a chunk is batched matmuls plus one unit-lower-triangular solve for
+all chunks at once, and only a [K, K] x [K, V] affine state recurrence runs as a Python loop over chunks.
+
+Both are device agnostic, compute in fp32 whatever the (lower-precision) input dtype and return fp32 (fp64 inputs stay
+fp64, so float64 gradcheck is meaningful), and are plain autograd graphs (no in-place writes into tensors autograd
+needs), so training can backprop through `kda_chunked`.
+
+Layout convention (matches transformers / fla): q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H];
+state: [B, H, K, V]. q and k must already be L2-normalised and q already scaled by K**-0.5.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(*xs: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs (the recurrent state is too rounding-sensitive for less); fp64 stays fp64."""
+    dt = torch.float32
+    for x in xs:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x*x, -1) + eps) — matches fla / transformers' l2norm exactly.
+
+    `+ eps` inside the sqrt (not F.normalize's clamp) is what the fla Triton kernel does. Computed in fp32 (fla
+    normalises after the fp32 cast; fp64 stays fp64) and returned in x's dtype, so fp32 inputs are bit-identical to
+    transformers.
+    """
+    xf = x.to(_compute_dtype(x))
+    return (xf / torch.sqrt((xf * xf).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _initial_state(state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The given [B, H, K, V] state in the compute dtype, or zeros shaped from k: [B, T, H, K] and v: [B, T, H, V]."""
+    if state is None:
+        B, _, H, K = k.shape
+        return torch.zeros(B, H, K, v.shape[-1], dtype=dtype, device=k.device)
+    return state.to(dtype)
+
+
+def kda_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token KDA. q, k: [B, T, H, K] (already L2-normalised; q already scaled by K**-0.5);
+    v: [B, T, H, V]; g: [B, T, H, K] per-channel log-decay (<= 0); beta: [B, T, H];
+    initial_state: [B, H, K, V] or None (zeros). Returns (o [B, T, H, V] fp32, final_state [B, H, K, V] fp32).
+    Per token: S <- diag(exp(g_t)) S ; S <- S + beta_t * k_t (v_t - S^T k_t)^T ; o_t = S^T q_t."""
+    dt = _compute_dtype(q, k, v, g, beta)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    S = _initial_state(initial_state, k, v, dt)
+    outs = []
+    for t in range(q.shape[1]):
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, K], [B, H, K], [B, H, V]
+        S = S * g[:, t].exp().unsqueeze(-1)  # decay each key channel (row of S)
+        kv_mem = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # S^T k_t: what the state currently recalls for k_t
+        delta = beta[:, t].unsqueeze(-1) * (v_t - kv_mem)
+        S = S + k_t.unsqueeze(-1) * delta.unsqueeze(-2)  # rank-1 write k_t delta^T
+        outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2))  # S^T q_t
+    if not outs:
+        return v.new_zeros(v.shape), S
+    return torch.stack(outs, dim=1), S
+
+
+def _intra_chunk_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """P[..., i, j] = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c]) for j <= i (0 above the diagonal), per chunk.
+
+    x: [..., n, C, K] (n stacked left operands, here k and q), k, G: [..., C, K] with G the in-chunk cumulative
+    log-decay (non-increasing along C). Returns [..., n, C, C].
+
+    exp(G_i - G_j) is only safe for i >= j (exponent <= 0); the one-matmul factorisation exp(G_i) * exp(-G_j)
+    overflows for strong decays. Instead split the chunk recursively in halves: for i in the second half and j in the
+    first half of a block, the last token r of the first half satisfies j <= r <= i, so
+        exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j)
+    is a product of two factors <= 1 and the whole off-diagonal block is one matmul (if a factor underflows, the exact
+    value is smaller still). Only the leaves (size = odd part of C, i.e. 1 for power-of-two chunks) are formed
+    elementwise, masking j > i to -inf *before* the exp. No positive exponent is ever evaluated.
+    """
+    *lead, n, C, K = x.shape
+    leaf = C // (C & -C)  # odd part of C
+    nl = C // leaf
+    P = x.new_zeros(*lead, n, C, C)
+
+    # Leaves on the diagonal: [.., nl, i, j, K] decay, masked before exp.
+    Gl = G.reshape(*lead, nl, leaf, K)
+    upper = torch.ones(leaf, leaf, dtype=torch.bool, device=x.device).triu(1)
+    decay = (Gl.unsqueeze(-2) - Gl.unsqueeze(-3)).masked_fill(upper[:, :, None], float("-inf")).exp()
+    leaves = (x.reshape(*lead, n, nl, leaf, 1, K) * (k.reshape(*lead, nl, 1, leaf, K) * decay).unsqueeze(-5)).sum(-1)
+    # Write the blocks into P's block diagonal (a fresh buffer with disjoint writes: autograd-safe).
+    torch.diagonal(P.view(*lead, n, nl, leaf, nl, leaf), dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
+
+    s = leaf
+    while s < C:  # merge pairs of size-s blocks into size-2s blocks: fill the lower-left s x s quadrant
+        nb = C // (2 * s)
+        Gb = G.reshape(*lead, nb, 2, s, K)
+        G_r = Gb[..., 0, -1:, :]  # [.., nb, 1, K] at the last token of the first half
+        left = x.reshape(*lead, n, nb, 2, s, K)[..., 1, :, :] * (Gb[..., 1, :, :] - G_r).exp().unsqueeze(-4)
+        right = k.reshape(*lead, nb, 2, s, K)[..., 0, :, :] * (G_r - Gb[..., 0, :, :]).exp()
+        cross = left @ right.unsqueeze(-4).transpose(-1, -2)  # [.., n, nb, s (i), s (j)]
+        blocks = torch.diagonal(P.view(*lead, n, nb, 2, s, nb, 2, s), dim1=-6, dim2=-3)  # [.., n, 2, s, 2, s, nb]
+        blocks[..., 1, :, 0, :, :].copy_(cross.movedim(-3, -1))
+        s *= 2
+    return P
+
+
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as kda_recurrent, computed in the chunked WY/UT form (any T, padded internally).
+
+    Inside a chunk with cumulative log-decay G (G_0 = g_0) and state S at the chunk start, the delta-rule writes
+    u_t = beta_t (v_t - (decayed S)^T k_t) satisfy a unit-lower-triangular system
+        (I + A) U = beta V - beta (exp(G) * K) S,   A_ij = beta_i k_i^T diag(exp(G_i - G_j)) k_j  (j < i)
+    so U = U0 - W S with [U0 | W] = (I + A)^{-1} [beta V | beta exp(G) * K] (one batched triangular solve). Then
+        o    = (exp(G) * Q) S + P U,                  P_ij = q_i^T diag(exp(G_i - G_j)) k_j  (j <= i)
+        S'   = diag(exp(G_C)) S + (exp(G_C - G) * K)^T U
+    Substituting U, everything that does not touch S is batched over all chunks, leaving the affine recurrence
+        S' = M S + N,   M = diag(exp(G_C)) - Kd^T W,   N = Kd^T U0,   Kd = exp(G_C - G) * K
+    as the only sequential part; outputs are o = P U0 + (exp(G) * Q - P W) S afterwards, again batched.
+    Padding tokens have k = 0, beta = 0, g = 0, so they leave the state untouched.
+    """
+    B, T, H, K = k.shape
+    Vd = v.shape[-1]
+    dt = _compute_dtype(q, k, v, g, beta)
+    state = _initial_state(initial_state, k, v, dt)
+    if T == 0:
+        return v.new_zeros(B, 0, H, Vd, dtype=dt), state
+    C = chunk_size
+    pad = (-T) % C
+    Nc = (T + pad) // C
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, H, D] -> [B, H, Nc, C, D] in the compute dtype, zero-padded along T
+        x = F.pad(x.to(dt), (0, 0, 0, 0, 0, pad))
+        return x.reshape(B, Nc, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()  # contiguous: cheap matmuls
+
+    q, k, v, g = (to_chunks(x) for x in (q, k, v, g))
+    beta = to_chunks(beta.unsqueeze(-1))  # [B, H, Nc, C, 1]
+    G = g.cumsum(dim=-2)  # in-chunk cumulative log-decay, <= 0 and non-increasing
+    G_last = G[..., -1:, :]  # [B, H, Nc, 1, K]
+
+    # Intra-chunk pairwise scores for k (-> A) and q (-> P) in one pass.
+    scores = _intra_chunk_scores(torch.stack([k, q], dim=-3), k, G)  # [B, H, Nc, 2, C, C]
+    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
+    eye = torch.eye(C, dtype=dt, device=k.device)
+    A = beta * scores[..., 0, :, :] * strict  # rows scaled by beta_i, strictly lower
+    P = scores[..., 1, :, :]  # lower incl. diagonal
+
+    # WY/UT: one unit-lower-triangular solve for every chunk (replaces the row-by-row forward substitution).
+    rhs = torch.cat([beta * v, beta * k * G.exp()], dim=-1)  # [.., C, V + K]
+    Y = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)  # [U0 | W]
+
+    Kd_T = (k * (G_last - G).exp()).transpose(-1, -2)  # [.., K, C]
+    KdY = Kd_T @ Y  # [Kd^T U0 | Kd^T W]
+    N_ = KdY[..., :Vd]  # [.., K, V]
+    M = torch.diag_embed(G_last.squeeze(-2).exp()) - KdY[..., Vd:]  # [.., K, K]
+
+    # The only sequential part: S_{n+1} = M_n S_n + N_n. Keep the chunk-start states for the batched output pass.
+    starts = []
+    for n in range(Nc):
+        starts.append(state)
+        state = M[:, :, n] @ state + N_[:, :, n]
+    S0 = torch.stack(starts, dim=2)  # [B, H, Nc, K, V]
+
+    PY = P @ Y  # [P U0 | P W]
+    o = PY[..., :Vd] + (q * G.exp() - PY[..., Vd:]) @ S0  # [B, H, Nc, C, V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, Nc * C, H, Vd)[:, :T]
+    return o, state

@@ -1,0 +1,145 @@
+"""Multi-head latent attention (MLA), optionally sparse through a DSA indexer.
+
+The cache holds per token only the normalised latent c (kv_lora_rank) and the rope key k_r. Two equal forms:
+naive (expand c through kv_b_proj into per-head K/V; cheap for long prefill chunks) and absorbed (fold
+kv_b_proj into the query and the output so attention runs in latent space; the decode form).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.layers.dsa import Indexer, causal_topk_mask
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
+
+# Chunks of at most this many new tokens use the absorbed (latent-space) form.
+ABSORB_MAX_TOKENS = 4
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, sparse: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        self.use_rope = cfg.use_rope
+        qk = cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.rank + self.rope_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank)
+        self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.g_proj = (
+            nn.Linear(cfg.hidden_size, self.n_heads * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
+        )
+        self.indexer = Indexer(cfg) if sparse else None
+        self.scale = qk**-0.5 * (softmax_scale_mscale(cfg.rope) if cfg.use_rope else 1.0)
+        # Set to a list to record each query's index scores [n, L] (tests compare selections with the reference).
+        self.record_index_scores: list[torch.Tensor] | None = None
+
+    # -- projections ---------------------------------------------------------------------------------
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if hasattr(self, "q_a_proj"):
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            return self.q_b_proj(q_resid), q_resid
+        return self.q_proj(x), x
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, q_resid = self._queries(x)
+        q = q.view(t, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        if self.use_rope:
+            q_rope = apply_rope_interleaved(q_rope, cos, sin)
+            rope_key = apply_rope_interleaved(rope_key, cos, sin)
+        index_key = index_q = index_w = None
+        if self.indexer is not None:
+            index_key = self.indexer.keys(x, cos, sin)
+            index_q, index_w = self.indexer.queries(q_resid, x, cos, sin)
+        cache = batch.cache
+        if cache is not None:
+            cache.store_kv(self.layer_id, latent, rope_key, index_key)
+
+        outs = []
+        for seq in range(batch.num_seqs):
+            sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
+            if cache is not None:
+                hist_latent, hist_rope, hist_index = cache.load_kv(self.layer_id, seq)
+            else:
+                hist_latent, hist_rope = latent[sl], rope_key[sl]
+                hist_index = index_key[sl] if index_key is not None else None
+            allowed = self._allowed(sl, prefix, hist_latent, index_q, index_w, hist_index)
+            attend = self.attend_absorbed if sl.stop - sl.start <= ABSORB_MAX_TOKENS else self.attend_naive
+            outs.append(attend(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed))
+        out = torch.cat(outs, dim=0).reshape(t, self.n_heads * self.v_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _allowed(
+        self,
+        sl: slice,
+        prefix: int,
+        hist_latent: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_w: torch.Tensor | None,
+        hist_index: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Boolean [n, L]: causal, and restricted to the indexer's top-k for DSA layers."""
+        n, length, device = sl.stop - sl.start, hist_latent.shape[0], hist_latent.device
+        if self.indexer is None:
+            query_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
+            return torch.arange(length, device=device)[None, :] <= query_pos
+        scores = self.indexer.scores(index_q[sl], index_w[sl], hist_index)
+        allowed = causal_topk_mask(scores, prefix, self.indexer.topk)
+        if self.record_index_scores is not None:
+            self.record_index_scores.append(scores.detach().cpu())
+        return allowed
+
+    # -- the two attention forms ------------------------------------------------------------------------
+    def attend_naive(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor, allowed
+    ) -> torch.Tensor:
+        """Expand the latents to per-head keys/values, then ordinary attention. Returns [n, H, dv]."""
+        length = latent.shape[0]
+        kv = self.kv_b_proj(latent.to(q_nope.dtype)).view(length, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        scores = torch.einsum("nhd,lhd->hnl", q_nope, k_nope)
+        if self.rope_dim:
+            scores = scores + torch.einsum("nhd,ld->hnl", q_rope, rope_key.to(q_rope.dtype))
+        probs = self._softmax(scores * self.scale, allowed, q_nope.dtype)
+        return torch.einsum("hnl,lhd->nhd", probs, v)
+
+    def attend_absorbed(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor, allowed
+    ) -> torch.Tensor:
+        """Attention in latent space: q·W_UK against c, then (p·c)·W_UV. Never expands the cache."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+        latent = latent.to(q_nope.dtype)
+        scores = torch.einsum("nhr,lr->hnl", q_latent, latent)
+        if self.rope_dim:
+            scores = scores + torch.einsum("nhd,ld->hnl", q_rope, rope_key.to(q_rope.dtype))
+        probs = self._softmax(scores * self.scale, allowed, q_nope.dtype)
+        out_latent = torch.einsum("hnl,lr->nhr", probs, latent)
+        return torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
+
+    @staticmethod
+    def _softmax(scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)

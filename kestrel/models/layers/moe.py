@@ -1,0 +1,145 @@
+"""Feed-forward blocks: dense gated MLP and the routed MoE (sigmoid/softmax router, shared and latent experts)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.weight_loaders import expert_loader, set_loader
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU: β·tanh(gate/β)·sigmoid(gate) · (β_lin·tanh(up/β_lin) if β_lin else up), computed in fp32."""
+    g, u = gate.float(), up.float()
+    act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (act * u).to(gate.dtype)
+
+
+class GatedActivation:
+    """act(gate, up) for the configured `hidden_act`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.kind, self.beta, self.linear_beta = cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "situ":
+            return situ(gate, up, self.beta, self.linear_beta)
+        return F.silu(gate) * up
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = GatedActivation(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """fp32 router: choose with score + correction bias (grouped if configured), weight with the raw score."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.n_experts = cfg.num_experts_per_tok, cfg.num_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.activation, self.renormalize = cfg.router_activation, cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.weight.float())
+        return logits.sigmoid() if self.activation == "sigmoid" else logits.softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights [T, k] (fp32) and expert ids [T, k]; `forced_ids` replays a rollout's choice."""
+        scores = self.scores(x)
+        ids = self.choose(scores) if forced_ids is None else forced_ids.to(x.device, torch.long)
+        return self.weights_for(scores, ids), ids
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+            keep = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0).bool()
+            choice = choice.masked_fill(~group_mask.repeat_interleave(self.n_experts // self.n_group, 1), float("-inf"))
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def weights_for(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routing weights of given experts: also used when a trainer replays a rollout's choices."""
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling
+
+
+class Experts(nn.Module):
+    """All routed experts as two stacked weights (fused gate|up and down), run expert by expert."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int) -> None:
+        super().__init__()
+        n, inter = cfg.num_experts, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
+        set_loader(self.gate_up_proj, expert_loader(halves=True), {(e, h) for e in range(n) for h in (0, 1)})
+        set_loader(self.down_proj, expert_loader(halves=False), {(e, None) for e in range(n)})
+        self.act = GatedActivation(cfg)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate, up), self.down_proj[expert])
+            out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
+            start += count
+        return out
+
+
+class MoE(nn.Module):
+    """Σ weight·expert(x) + shared(x); latent MoE runs the experts on a down-projected x (K3)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        latent = cfg.routed_expert_hidden_size
+        if latent:
+            self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, latent, bias=False)
+            self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+            self.routed_expert_up_proj = nn.Linear(latent, cfg.hidden_size, bias=False)
+        self.latent = bool(latent)
+        self.experts = Experts(cfg, latent or cfg.hidden_size)
+        shared = cfg.moe_intermediate_size * cfg.num_shared_experts
+        self.shared_experts = DenseMLP(cfg, cfg.hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output [T, D] and the expert ids used [T, k] (forced_ids replays a rollout's routing)."""
+        weights, ids = self.gate(x, forced_ids)
+        routed_in = self.routed_expert_down_proj(x) if self.latent else x
+        routed = self.experts(routed_in, ids, weights)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                routed = self.routed_expert_norm(routed)
+            routed = self.routed_expert_up_proj(routed)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed, ids

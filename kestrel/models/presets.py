@@ -1,0 +1,162 @@
+"""Config presets for random checkpoints (`kestrel make-model`), written as the families' real config.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES = ("kimi_linear", "deepseek_v32", "kimi_k3")
+SIZES = ("tiny", "small")
+
+# Per-size dimensions shared by the families. `small` lands near 20M parameters.
+_DIMS: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        vocab=512,
+        hidden=64,
+        layers=4,
+        heads=4,
+        inter=128,
+        moe_inter=32,
+        experts=8,
+        top_k=2,
+        kv_rank=32,
+        q_rank=48,
+        nope=16,
+        rope=16,
+        v=16,
+        kda_heads=4,
+        kda_dim=16,
+        idx_heads=16,
+        idx_dim=32,
+        topk=16,
+    ),
+    "small": dict(
+        vocab=4096,
+        hidden=384,
+        layers=8,
+        heads=6,
+        inter=1024,
+        moe_inter=128,
+        experts=12,
+        top_k=4,
+        kv_rank=128,
+        q_rank=192,
+        nope=32,
+        rope=32,
+        v=48,
+        kda_heads=6,
+        kda_dim=64,
+        idx_heads=16,
+        idx_dim=64,
+        topk=128,
+    ),
+}
+
+
+def _kda_layout(n_layers: int) -> tuple[list[int], list[int]]:
+    """1-based layer lists: every 4th layer full attention (3:1 KDA:full, as Kimi Linear and K3)."""
+    full = [i + 1 for i in range(n_layers) if i % 4 == 3]
+    return [i + 1 for i in range(n_layers) if i + 1 not in full], full
+
+
+def preset_config(family: str, size: str) -> dict[str, Any]:
+    """A config.json dict in the family's on-disk format."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    d = _DIMS[size]
+    common = {
+        "vocab_size": d["vocab"],
+        "hidden_size": d["hidden"],
+        "intermediate_size": d["inter"],
+        "moe_intermediate_size": d["moe_inter"],
+        "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["heads"],
+        "kv_lora_rank": d["kv_rank"],
+        "qk_nope_head_dim": d["nope"],
+        "qk_rope_head_dim": d["rope"],
+        "v_head_dim": d["v"],
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+    if family == "deepseek_v32":
+        return common | {
+            "model_type": "deepseek_v32",
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "q_lora_rank": d["q_rank"],
+            "n_routed_experts": d["experts"],
+            "num_experts_per_tok": d["top_k"],
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "index_n_heads": d["idx_heads"],
+            "index_head_dim": d["idx_dim"],
+            "index_topk": d["topk"],
+            "max_position_embeddings": 16384,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4096,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        }
+    kda_layers, full_layers = _kda_layout(d["layers"])
+    kimi = common | {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "q_lora_rank": None,
+        "num_experts": d["experts"],
+        "num_experts_per_token": d["top_k"],
+        "num_shared_experts": 1,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "mla_use_nope": True,
+        "model_max_length": 1048576,
+        "linear_attn_config": {
+            "kda_layers": kda_layers,
+            "full_attn_layers": full_layers,
+            "head_dim": d["kda_dim"],
+            "num_heads": d["kda_heads"],
+            "short_conv_kernel_size": 4,
+        },
+    }
+    if family == "kimi_linear":
+        return kimi
+    text = kimi | {
+        "model_type": "kimi_k3_text",
+        "q_lora_rank": d["q_rank"],
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 8.0,
+        "attn_res_block_size": 2,
+        "routed_expert_hidden_size": d["hidden"] // 2,
+        "latent_moe_use_norm": True,
+        "mla_use_output_gate": True,
+        "index_n_heads": d["idx_heads"],
+        "index_head_dim": d["idx_dim"],
+        "index_topk": d["topk"],
+    }
+    text["linear_attn_config"] = text["linear_attn_config"] | {"use_full_rank_gate": True}
+    text.pop("architectures")
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": None,
+        "tie_word_embeddings": False,
+    }

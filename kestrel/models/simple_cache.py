@@ -1,0 +1,82 @@
+"""The reference path's cache: contiguous per-sequence tensors, no paging. Ground truth for the engine."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.models.decoder import CausalLM
+from kestrel.models.forward_batch import ForwardBatch
+
+
+class SimpleCache:
+    """Holds, for each of `num_seqs` sequences, MLA latents / rope keys / index keys and KDA states.
+
+    Invariant: after a forward of batch B, sequence i's tensors cover positions [0, prefix_lens[i] + extend_lens[i]).
+    """
+
+    def __init__(self, model: CausalLM, num_seqs: int) -> None:
+        self.batch: ForwardBatch | None = None
+        self.kv: dict[int, list[list[torch.Tensor | None]]] = {
+            layer: [[None, None, None] for _ in range(num_seqs)] for layer in model.cfg.attention_layers
+        }
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in model.cfg.kda_layers:
+            self.states[layer] = model.model.layers[layer].self_attn.empty_state(num_seqs, model.device)
+
+    def bind(self, batch: ForwardBatch) -> ForwardBatch:
+        """Attach to a batch whose sequence i is cache sequence i."""
+        self.batch = batch
+        batch.cache = self
+        return batch
+
+    def store_kv(self, layer: int, latent, rope_key, index_key) -> None:
+        for seq in range(self.batch.num_seqs):
+            sl = self.batch.seq_slice(seq)
+            entry = self.kv[layer][seq]
+            for j, new in enumerate((latent, rope_key, index_key)):
+                if new is not None:
+                    entry[j] = new[sl] if entry[j] is None else torch.cat([entry[j], new[sl]])
+
+    def load_kv(self, layer: int, seq: int):
+        latent, rope_key, index_key = self.kv[layer][seq]
+        return latent, rope_key, index_key
+
+    def load_state(self, layer: int):
+        conv, rec = self.states[layer]
+        n = self.batch.num_seqs
+        return conv[:n], rec[:n]
+
+    def store_state(self, layer: int, conv_state, recurrent_state) -> None:
+        conv, rec = self.states[layer]
+        n = self.batch.num_seqs
+        conv[:n] = conv_state
+        rec[:n] = recurrent_state
+
+
+@torch.inference_mode()
+def full_logits(model: CausalLM, input_ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] of one whole sequence with no cache: the plainest forward."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
+    return model.logits(model(ForwardBatch.single(ids)))
+
+
+@torch.inference_mode()
+def greedy_generate(model: CausalLM, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Reference greedy decoding: prefill once, then one token at a time through `SimpleCache`.
+
+    Returns the new tokens and the logits [max_new_tokens, V] that chose them.
+    """
+    cache = SimpleCache(model, 1)
+    ids = torch.tensor(prompt, dtype=torch.long, device=model.device)
+    hidden = model(cache.bind(ForwardBatch.single(ids)))
+    logits = model.logits(hidden[-1:])
+    out, all_logits = [], []
+    for step in range(max_new_tokens):
+        all_logits.append(logits[0])
+        token = int(logits[0].argmax())
+        out.append(token)
+        if step + 1 == max_new_tokens:
+            break
+        batch = ForwardBatch.single(torch.tensor([token], device=model.device), prefix_len=len(prompt) + step)
+        logits = model.logits(model(cache.bind(batch)))
+    return out, torch.stack(all_logits)

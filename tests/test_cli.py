@@ -1,0 +1,24 @@
+import subprocess
+import sys
+
+from kestrel.cli import main
+from kestrel.models.loader import load_model
+
+
+def test_make_model_then_generate_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "k3"
+    assert main(["make-model", "--family", "kimi_k3", "--size", "tiny", "--out", str(out), "--seed", "4"]) == 0
+    model, cfg = load_model(out)
+    assert cfg.model_type == "kimi_k3"
+    assert "wrote kimi_k3" in capsys.readouterr().out
+    assert main(["generate", str(out), "--prompt", "Hello", "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip().startswith("Hello")
+
+
+def test_console_script_reports_bad_family():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kestrel.cli", "make-model", "--family", "llama", "--out", "/tmp/x"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
