@@ -5,20 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 import torch
-
-BUILTIN_DIR = Path.home() / ".cache" / "kestrel" / "builtin-tiny-k3"
-
-
-def builtin_model_path() -> Path:
-    """A tiny random K3.1-shaped checkpoint, made once by Kestrel itself (no download)."""
-    from kestrel.models.checkpoint import make_model
-
-    if not (BUILTIN_DIR / "config.json").exists():
-        make_model("kimi_k3", "tiny", BUILTIN_DIR, seed=0)
-    return BUILTIN_DIR
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -33,19 +21,15 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kestrel.models.loader import load_model
-    from kestrel.models.simple_cache import greedy_generate
-    from kestrel.tokenizer import load_tokenizer
+    from kestrel import LLM, SamplingParams
 
-    path = Path(args.model) if args.model else builtin_model_path()
-    model, cfg = load_model(path)
-    tokenizer = load_tokenizer(path)
-    if tokenizer is None:
-        print(f"error: {path} has no tokenizer.json; cannot encode --prompt", file=sys.stderr)
+    llm = LLM(args.model, max_total_tokens=args.max_total_tokens)
+    if llm.tokenizer is None:
+        print(f"error: {args.model} has no tokenizer.json; cannot encode --prompt", file=sys.stderr)
         return 2
-    prompt = tokenizer.encode(args.prompt).ids
-    tokens, _ = greedy_generate(model, prompt, args.max_tokens)
-    print(args.prompt + tokenizer.decode(tokens))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    print(args.prompt + out.outputs[0].text)
     return 0
 
 
@@ -66,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("model", nargs="?", default=None)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-total-tokens", type=int, default=4096)
     gen.set_defaults(func=cmd_generate)
     return parser
 

@@ -335,3 +335,34 @@ def load_model_config(path: str | Path) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{file}: not valid JSON ({exc})") from exc
     return model_config_from_dict(raw)
+
+
+@dataclass
+class EngineConfig:
+    """Serving knobs; each maps one-to-one onto a CLI flag (SGLang's names where a twin exists)."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    mem_fraction: float = 0.5
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill_size: int = 512
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, why: str) -> None:
+            if not cond:
+                raise ConfigError(f"engine option {name!r}: {why}")
+
+        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32|bfloat16|float16")
+        need(self.page_size >= 1, "page_size", "must be >= 1")
+        need(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens", "must be >= 1")
+        need(0 < self.mem_fraction <= 1, "mem_fraction", "must be in (0, 1]")
+        need(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        need(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size", ">= 1 or -1")
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.kimi_linear.modeling_kimi_linear import (
     chunk_kimi_delta_attention,
+    l2norm,
     recurrent_kimi_delta_attention,
 )
 
@@ -46,8 +47,6 @@ def _seed() -> None:
 
 
 def test_l2_normalize_matches_transformers() -> None:
-    from transformers.models.kimi_linear.modeling_kimi_linear import l2norm
-
     x = torch.randn(3, 5, 16)
     assert torch.equal(l2_normalize(x), l2norm(x, dim=-1, eps=1e-6))
 
@@ -85,6 +84,18 @@ def test_matches_transformers(with_state: bool) -> None:
         for o_ref, s_ref in ((o_tc, s_tc), (o_tr, s_tr)):
             assert max_diff(o, o_ref) < ATOL
             assert max_diff(s, s_ref) < ATOL
+
+
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_short_sequences(T: int) -> None:
+    """Decode-sized and empty inputs: the chunked path pads to one chunk (or returns the state unchanged)."""
+    x = make_inputs(T=T)
+    o_ref, s_ref = kda_recurrent(*prepped(x), initial_state=x["state"])
+    o, s = kda_chunked(*prepped(x), initial_state=x["state"])
+    assert o.shape == o_ref.shape == x["v"].shape
+    assert max_diff(s, s_ref) < ATOL
+    if T:
+        assert max_diff(o, o_ref) < ATOL
 
 
 def test_strong_decay_is_finite() -> None:

@@ -73,7 +73,7 @@ def test_dsa_selections_match_transformers_indexer(hf_deepseek_v32):
     assert len(recorded) == len(ref) == cfg.num_hidden_layers
     k = cfg.index_topk
     compared = 0
-    for scores, ref_idx in zip(recorded, ref):
+    for (_, scores), ref_idx in zip(recorded, ref):
         for t in range(k, PROMPT_LEN):  # rows with more candidates than k: the sparse ones
             row = scores[t, : t + 1]
             top = row.topk(k + 1).values

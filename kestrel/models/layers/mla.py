@@ -44,7 +44,7 @@ class MLAAttention(nn.Module):
         )
         self.indexer = Indexer(cfg) if sparse else None
         self.scale = qk**-0.5 * (softmax_scale_mscale(cfg.rope) if cfg.use_rope else 1.0)
-        # Set to a list to record each query's index scores [n, L] (tests compare selections with the reference).
+        # Set to a list to record (layer, causally masked index scores [n, L]) (tests compare selections).
         self.record_index_scores: list[torch.Tensor] | None = None
 
     # -- projections ---------------------------------------------------------------------------------
@@ -107,7 +107,10 @@ class MLAAttention(nn.Module):
         scores = self.indexer.scores(index_q[sl], index_w[sl], hist_index)
         allowed = causal_topk_mask(scores, prefix, self.indexer.topk)
         if self.record_index_scores is not None:
-            self.record_index_scores.append(scores.detach().cpu())
+            causal = (
+                torch.arange(length, device=device)[None, :] <= torch.arange(prefix, prefix + n, device=device)[:, None]
+            )
+            self.record_index_scores.append((self.layer_id, scores.masked_fill(~causal, float("-inf")).cpu()))
         return allowed
 
     # -- the two attention forms ------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""KDA state slots: one per running request, holding conv + recurrent state of every KDA layer.
+
+`SlotAllocator` is integers for the scheduler; `StateStorage` holds the tensors for the model runner.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.config import ModelConfig
+
+
+class SlotAllocator:
+    """Free list of state-slot ids with exact accounting."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._allocated: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._allocated)
+
+    def alloc(self) -> int | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._allocated.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._allocated:
+            raise RuntimeError(f"state slot {slot} freed twice or never allocated")
+        self._allocated.remove(slot)
+        self._free.append(slot)
+
+
+def state_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype) -> int:
+    """Conv inputs (model dtype) + recurrent state (fp32) over all KDA layers."""
+    c = cfg.kda_num_heads * cfg.kda_head_dim
+    conv = 3 * c * (cfg.kda_conv_size - 1) * torch.tensor([], dtype=conv_dtype).element_size()
+    rec = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
+    return len(cfg.kda_layers) * (conv + rec)
+
+
+class StateStorage:
+    """conv [slots, 3C, kernel-1] and recurrent [slots, H, K, V] (fp32) per KDA layer."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device) -> None:
+        c = cfg.kda_num_heads * cfg.kda_head_dim
+        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        self.conv = {
+            layer: torch.zeros(num_slots, 3 * c, cfg.kda_conv_size - 1, dtype=dtype, device=device)
+            for layer in cfg.kda_layers
+        }
+        self.recurrent = {
+            layer: torch.zeros(num_slots, h, d, d, dtype=torch.float32, device=device) for layer in cfg.kda_layers
+        }
+
+    def reset(self, slots: list[int]) -> None:
+        """Zero the given slots: a request starting from token 0 has an empty state."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, device=next(iter(self.conv.values())).device) if self.conv else None
+        for layer in self.conv:
+            self.conv[layer].index_fill_(0, idx, 0)
+            self.recurrent[layer].index_fill_(0, idx, 0)
+
+    def copy(self, src: int, dst: int) -> None:
+        for layer in self.conv:
+            self.conv[layer][dst] = self.conv[layer][src]
+            self.recurrent[layer][dst] = self.recurrent[layer][src]

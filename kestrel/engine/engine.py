@@ -1,0 +1,238 @@
+"""The step loop: schedule → one forward for every running request → sample → update."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
+from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
+from kestrel.config import EngineConfig
+from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.model_runner import ModelRunner
+from kestrel.engine.request import Request
+from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.engine.scheduler import Scheduler
+from kestrel.models.builtin import builtin_model_path
+from kestrel.models.loader import load_model
+from kestrel.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free device memory (CUDA) or available RAM (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finished: bool = False
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        path = Path(config.model) if config.model else builtin_model_path()
+        self.model, self.model_config = load_model(path, DTYPES[config.dtype], self.device)
+        self.tokenizer = load_tokenizer(path)
+        cfg = self.model_config
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        num_slots = config.max_running_requests if cfg.kda_layers else 0
+        num_pages = self._num_pages(num_slots)
+        self.pages = PageAllocator(num_pages, config.page_size)
+        self.slots = SlotAllocator(num_slots) if num_slots else None
+        eos = list(cfg.eos_token_id)
+        self.scheduler = Scheduler(
+            self.pages,
+            self.slots,
+            config.max_running_requests,
+            config.max_num_batched_tokens,
+            config.chunked_prefill_size,
+            eos,
+        )
+        self.runner = ModelRunner(self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype])
+        self.sampler = Sampler(eos, seed=config.seed)
+        self._arrivals = itertools.count()
+        self._groups: dict[str, list[Request]] = {}
+        log.info(
+            "capacity: %d KV tokens (%d pages of %d), %d KDA state slots, max model len %d, device %s",
+            num_pages * config.page_size,
+            num_pages,
+            config.page_size,
+            num_slots,
+            self.max_model_len,
+            self.device,
+        )
+
+    def _num_pages(self, num_slots: int) -> int:
+        cfg, config = self.model_config, self.config
+        if config.max_total_tokens is not None:
+            tokens = config.max_total_tokens
+        else:
+            per_token = max(kv_bytes_per_token(cfg, DTYPES[config.dtype]), 1)
+            budget = free_memory_bytes(self.device) * config.mem_fraction
+            budget -= num_slots * state_bytes_per_slot(cfg, DTYPES[config.dtype])
+            tokens = int(budget // per_token)
+            tokens = min(tokens, config.max_running_requests * self.max_model_len)
+        if tokens < config.page_size:
+            raise ValueError(f"KV pool too small: {tokens} tokens (max_total_tokens / mem_fraction)")
+        return -(-tokens // config.page_size)
+
+    # -- requests --------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt).ids
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it."""
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError(f"prompt: token ids must be ints in [0, {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens is longer than the context ({self.max_model_len - 1} max)")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        group = []
+        for i in range(params.n):
+            sub = params
+            if params.n > 1 or max_tokens != params.max_tokens:
+                seed = params.seed + i if params.seed is not None else None
+                sub = SamplingParams(
+                    **{
+                        **vars(params),
+                        "n": 1,
+                        "seed": seed,
+                        "max_tokens": max_tokens,
+                        "min_tokens": min(params.min_tokens, max_tokens),
+                    }
+                )
+            req = Request(request_id, ids, sub, arrival=next(self._arrivals))
+            req.generator = self.sampler.make_generator(sub, self.device)
+            if self.tokenizer is not None:
+                req.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
+                )
+            group.append(req)
+            self.scheduler.add(req)
+        self._groups[request_id] = group
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its pages and state slot return to the free lists immediately."""
+        hit = self.scheduler.abort(request_id)
+        self._groups.pop(request_id, None)
+        return bool(hit)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; return outputs of request groups that finished during it."""
+        plan = self.scheduler.schedule()
+        done: list[Request] = list(plan.rejected)
+        if not plan.empty:
+            logits, _ = self.runner.execute(plan)
+            self._record_prompt_logprobs(plan, logits.prompt)
+            rows = [
+                SamplingRow(c.request.params, c.request.prompt_ids, c.request.output_ids, c.request.generator)
+                for c in plan.chunks
+                if c.samples
+            ]
+            sampled = self.sampler.sample(logits.sample, rows)
+            done += self.scheduler.update(plan, sampled)
+        return self._collect_finished(done)
+
+    def _record_prompt_logprobs(self, plan, prompt_logits: dict) -> None:
+        for i, logits in prompt_logits.items():
+            chunk = plan.chunks[i]
+            req = chunk.request
+            if chunk.start == 0:
+                req.prompt_logprobs = [None]
+            end = min(chunk.start + chunk.num_tokens + 1, len(req.prompt_ids))
+            entries = prompt_logprobs(logits, req.prompt_ids[chunk.start : end], req.params.prompt_logprobs)
+            req.prompt_logprobs.extend(entries[1:])
+
+    def _collect_finished(self, done: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for rid in {r.request_id for r in done}:
+            group = self._groups.get(rid)
+            if group is None or not all(r.is_finished for r in group):
+                continue
+            del self._groups[rid]
+            outputs.append(self.make_output(group))
+        return outputs
+
+    def make_output(self, group: list[Request]) -> RequestOutput:
+        first = group[0]
+        out = RequestOutput(first.request_id, first.prompt_ids, finished=all(r.is_finished for r in group))
+        out.prompt_logprobs = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
+        for i, req in enumerate(group):
+            with_lp = req.params.logprobs is not None
+            out.outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=req.output_text,
+                    token_ids=list(req.output_ids),
+                    finish_reason=req.finish_reason,
+                    logprobs=list(req.logprobs) if with_lp else None,
+                    top_logprobs=list(req.top_logprobs) if with_lp else None,
+                    cached_tokens=req.cached_tokens,
+                    error=req.error,
+                )
+            )
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_used": self.pages.num_used,
+            "pages_total": self.pages.num_pages,
+            "slots_used": self.slots.num_used if self.slots else 0,
+        }

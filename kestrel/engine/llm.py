@@ -1,0 +1,45 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tqdm import tqdm
+
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[i] for i in ids]
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)

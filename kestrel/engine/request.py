@@ -1,0 +1,67 @@
+"""A request's lifecycle and the invariants of what the caches hold for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.sampler import PromptLogprob
+from kestrel.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    Invariants while RUNNING: tokens [0, computed_len) of `all_ids` have their MLA/index keys in `pages`
+    and the KDA slot holds the state after token computed_len - 1. Tokens [computed_len, num_tokens) still
+    need a forward; when computed_len == num_tokens after a step, the step samples the next token.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = None
+    computed_len: int = 0
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    output_text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
+    routed_experts: list[dict[int, list[int]]] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing tokens it was given (prompt, or the recompute after a preemption)."""
+        return self.num_tokens - self.computed_len > 1 or not self.output_ids
