@@ -1,0 +1,133 @@
+"""Offline throughput: Kestrel's engine vs Hugging Face `generate`, same checkpoint and prompts, one run.
+
+Prints output tokens/s of each at the given concurrency and their ratio, plus batch-1 inter-token latency.
+Writes JSON to benchmarks/results/offline_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lengths]
+
+
+def kestrel_throughput(path: str, prompts, new_tokens: int) -> tuple[float, float]:
+    from kestrel import LLM, SamplingParams
+
+    llm = LLM(path, max_total_tokens=sum(len(p) + new_tokens for p in prompts) + 1024,
+              max_running_requests=len(prompts), max_num_batched_tokens=4096, chunked_prefill_size=1024)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return produced / elapsed, elapsed
+
+
+def kestrel_itl(path: str, prompt, new_tokens: int) -> float:
+    from kestrel import LLM, SamplingParams
+
+    llm = LLM(path, max_total_tokens=len(prompt) + new_tokens + 64)
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    times = []
+    engine.step()  # prefill
+    while engine.has_unfinished:
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def hf_generate(model, prompts, new_tokens: int, batch_size: int) -> float:
+    """Seconds to generate `new_tokens` for every prompt in left-padded batches."""
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, p in enumerate(chunk):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--hf-batch-sizes", default="8,32")
+    ap.add_argument("--itl-tokens", type=int, default=32)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: make-model kimi_linear small)")
+    ap.add_argument("--out", default="benchmarks/results/offline_throughput.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # the engine does this on CPU; give transformers the same footing
+    print(f"torch threads: {torch.get_num_threads()}")
+
+    from transformers import AutoModelForCausalLM
+
+    from kestrel.models.checkpoint import make_model
+
+    path = args.model or str(make_model("kimi_linear", "small", Path(tempfile.mkdtemp()) / "kl-small", seed=0))
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab, seed=0)
+    print(f"model {path}: {len(prompts)} prompts of {args.min_len}-{args.max_len} tokens, {args.new_tokens} new each")
+
+    k_tps, k_time = kestrel_throughput(path, prompts, args.new_tokens)
+    k_itl = kestrel_itl(path, prompts[0], args.itl_tokens)
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_results = {}
+    for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
+        seconds = hf_generate(hf, prompts, args.new_tokens, bs)
+        hf_results[bs] = len(prompts) * args.new_tokens / seconds
+        print(f"  transformers batch {bs}: {hf_results[bs]:.1f} tok/s")
+    best_bs = max(hf_results, key=hf_results.get)
+    t_one = hf_generate(hf, prompts[:1], 1, 1)
+    t_many = hf_generate(hf, prompts[:1], args.itl_tokens + 1, 1)
+    hf_itl = (t_many - t_one) / args.itl_tokens
+
+    result = {
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(prompts),
+        "prompt_lens": [args.min_len, args.max_len],
+        "new_tokens": args.new_tokens,
+        "kestrel_tok_s": k_tps,
+        "transformers_tok_s": hf_results[best_bs],
+        "transformers_best_batch": best_bs,
+        "throughput_ratio": k_tps / hf_results[best_bs],
+        "kestrel_itl_ms": k_itl * 1e3,
+        "transformers_itl_ms": hf_itl * 1e3,
+        "itl_speedup": hf_itl / k_itl,
+    }
+    print(f"{'':24}{'kestrel':>12}{'transformers':>14}{'ratio':>8}")
+    print(f"{'output tok/s':24}{k_tps:12.1f}{hf_results[best_bs]:14.1f}{result['throughput_ratio']:8.2f}")
+    print(f"{'batch-1 ITL (ms)':24}{k_itl * 1e3:12.1f}{hf_itl * 1e3:14.1f}{result['itl_speedup']:8.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
