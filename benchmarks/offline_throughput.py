@@ -25,8 +25,13 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
 def kestrel_throughput(path: str, prompts, new_tokens: int) -> tuple[float, float]:
     from kestrel import LLM, SamplingParams
 
-    llm = LLM(path, max_total_tokens=sum(len(p) + new_tokens for p in prompts) + 1024,
-              max_running_requests=len(prompts), max_num_batched_tokens=4096, chunked_prefill_size=1024)
+    llm = LLM(
+        path,
+        max_total_tokens=sum(len(p) + new_tokens for p in prompts) + 1024,
+        max_running_requests=len(prompts),
+        max_num_batched_tokens=4096,
+        chunked_prefill_size=1024,
+    )
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
@@ -63,8 +68,14 @@ def hf_generate(model, prompts, new_tokens: int, batch_size: int) -> float:
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
     return time.perf_counter() - start
 
 

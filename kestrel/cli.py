@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 import torch
+
+from kestrel.config import EngineConfig
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -23,14 +26,28 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kestrel import LLM, SamplingParams
 
-    llm = LLM(args.model, max_total_tokens=args.max_total_tokens)
+    llm = LLM(args.model, **engine_kwargs(args))
     if llm.tokenizer is None:
         print(f"error: {args.model} has no tokenizer.json; cannot encode --prompt", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     out = llm.generate(args.prompt, params, use_tqdm=False)[0]
     print(args.prompt + out.outputs[0].text)
     return 0
+
+
+def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    """One flag per `EngineConfig` field (`--page-size`, `--max-running-requests`, ...)."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        default = defaults.get(f.name, f.default)
+        kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default, dest=f.name)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-total-tokens", type=int, default=4096)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen, max_total_tokens=4096)
     gen.set_defaults(func=cmd_generate)
     return parser
 
@@ -60,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:  # ConfigError and CheckpointError are ValueErrors
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,3 +22,26 @@ def test_console_script_reports_bad_family():
         text=True,
     )
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_bad_engine_flag_is_a_clean_error(tmp_path, capsys):
+    assert main(["generate", "--prompt", "hi", "--mem-fraction", "3"]) == 2
+    assert "mem_fraction" in capsys.readouterr().err
+
+
+def test_engine_flags_reach_the_engine(tmp_path, capsys):
+    out = tmp_path / "kl"
+    main(["make-model", "--family", "kimi_linear", "--out", str(out)])
+    argv = [
+        "generate",
+        str(out),
+        "--prompt",
+        "abc",
+        "--max-tokens",
+        "3",
+        "--page-size",
+        "4",
+        "--chunked-prefill-size",
+        "2",
+    ]
+    assert main(argv) == 0
