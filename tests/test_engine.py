@@ -155,15 +155,17 @@ def _rows_by_query(recorded) -> dict[tuple[int, int], torch.Tensor]:
     return table
 
 
-def test_engine_dsa_selections_match_reference(tiny_checkpoints):
+@pytest.mark.parametrize("family", ["deepseek_v32", "kimi_k3"])
+def test_engine_dsa_selections_match_reference(family, tiny_checkpoints):
     """Paged DSA indexer scores over the same history select the same top-k sets as the reference."""
-    llm = LLM(str(tiny_checkpoints["deepseek_v32"]), max_total_tokens=2048, chunked_prefill_size=16, page_size=8)
+    llm = LLM(str(tiny_checkpoints[family]), max_total_tokens=2048, chunked_prefill_size=16, page_size=8)
     model = llm.engine.model
     topk = model.cfg.index_topk
     prompt = _prompts(1, 259, seed=6, lo=50, hi=51)[0]
     recorded: list = []
     for layer in model.model.layers:
-        layer.self_attn.record_index_scores = recorded
+        if layer.kind == "dsa":
+            layer.self_attn.record_index_scores = recorded
     llm.generate([prompt], _greedy(4), use_tqdm=False)
     engine_rows = _rows_by_query(recorded)
     recorded.clear()
@@ -179,4 +181,4 @@ def test_engine_dsa_selections_match_reference(tiny_checkpoints):
             continue
         assert set(ref_row.topk(topk).indices.tolist()) == set(engine_rows[key].topk(topk).indices.tolist()), key
         compared += 1
-    assert compared > 100
+    assert compared > 20

@@ -38,6 +38,20 @@ class PagedCacheView:
         index = self.kv.index_key[layer]
         return self.kv.latent[layer][idx], self.kv.rope_key[layer][idx], index[idx] if index is not None else None
 
+    def load_kv_padded(self, layer):
+        if not hasattr(self, "_padded_slots"):
+            lengths = [h.shape[0] for h in self.history_slots]
+            self._lengths = torch.tensor(lengths, device=self.write_slots.device)
+            self._padded_slots = torch.nn.utils.rnn.pad_sequence(self.history_slots, batch_first=True)
+        idx = self._padded_slots
+        index = self.kv.index_key[layer]
+        return (
+            self.kv.latent[layer][idx],
+            self.kv.rope_key[layer][idx],
+            index[idx] if index is not None else None,
+            self._lengths,
+        )
+
     def load_state(self, layer):
         return self.states.conv[layer][self.state_slots], self.states.recurrent[layer][self.state_slots]
 

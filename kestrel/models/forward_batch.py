@@ -24,6 +24,9 @@ class ModelCache(Protocol):
     def load_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Full history of sequence `seq` (prefix + new tokens): latent [L, r], rope key [L, dr], index key."""
 
+    def load_kv_padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Decode batches: every sequence's history padded to [B, L_max, ...], plus lengths [B]."""
+
     def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KDA conv state [B, C, kernel-1] and recurrent state [B, H, K, V] (fp32) of every batch sequence."""
 

@@ -41,6 +41,12 @@ class SimpleCache:
         latent, rope_key, index_key = self.kv[layer][seq]
         return latent, rope_key, index_key
 
+    def load_kv_padded(self, layer: int):
+        entries = [self.kv[layer][seq] for seq in range(self.batch.num_seqs)]
+        pad = lambda j: torch.nn.utils.rnn.pad_sequence([e[j] for e in entries], batch_first=True)  # noqa: E731
+        lengths = torch.tensor([e[0].shape[0] for e in entries], device=entries[0][0].device)
+        return pad(0), pad(1), pad(2) if entries[0][2] is not None else None, lengths
+
     def load_state(self, layer: int):
         conv, rec = self.states[layer]
         n = self.batch.num_seqs

@@ -46,6 +46,11 @@ class Indexer(nn.Module):
         s = torch.einsum("nhd,ld->nhl", q.float(), keys.float()) * self.head_dim**-0.5
         return torch.einsum("nh,nhl->nl", w, torch.relu(s))
 
+    def scores_padded(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Decode form: one query per sequence [B, H, D] against padded keys [B, L, D] → [B, L]."""
+        s = torch.einsum("bhd,bld->bhl", q.float(), keys.float()) * self.head_dim**-0.5
+        return torch.einsum("bh,bhl->bl", w, torch.relu(s))
+
 
 def causal_topk_mask(scores: torch.Tensor, prefix_len: int, topk: int) -> torch.Tensor:
     """Allowed [n, L]: the top-k positions among s <= prefix_len + j for query j (all of them if fewer)."""

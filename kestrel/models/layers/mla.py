@@ -74,6 +74,11 @@ class MLAAttention(nn.Module):
         if cache is not None:
             cache.store_kv(self.layer_id, latent, rope_key, index_key)
 
+        if cache is not None and batch.is_decode and batch.num_seqs > 1:
+            out = self._decode_batched(q_nope, q_rope, index_q, index_w, cache).reshape(t, self.n_heads * self.v_dim)
+            if self.g_proj is not None:
+                out = out * torch.sigmoid(self.g_proj(x))
+            return self.o_proj(out)
         outs = []
         for seq in range(batch.num_seqs):
             sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
@@ -112,6 +117,29 @@ class MLAAttention(nn.Module):
             )
             self.record_index_scores.append((self.layer_id, scores.masked_fill(~causal, float("-inf")).cpu()))
         return allowed
+
+    def _decode_batched(self, q_nope, q_rope, index_q, index_w, cache) -> torch.Tensor:
+        """All sequences of a decode batch at once, in latent space over padded histories. [B, H, dv]."""
+        latent, rope_key, index_key, lengths = cache.load_kv_padded(self.layer_id)
+        length = latent.shape[1]
+        allowed = torch.arange(length, device=latent.device)[None, :] < lengths[:, None]  # [B, L]
+        if self.indexer is not None:
+            scores = self.indexer.scores_padded(index_q, index_w, index_key).masked_fill(~allowed, float("-inf"))
+            if self.record_index_scores is not None:
+                for b, n in enumerate(lengths.tolist()):
+                    self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
+            if length > self.indexer.topk:
+                idx = scores.topk(self.indexer.topk, dim=-1).indices
+                allowed = allowed & torch.zeros_like(allowed).scatter_(-1, idx, True)
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        latent = latent.to(q_nope.dtype)
+        scores = torch.einsum("bhr,blr->bhl", torch.einsum("bhd,hdr->bhr", q_nope, w_uk), latent)
+        if self.rope_dim:
+            scores = scores + torch.einsum("bhd,bld->bhl", q_rope, rope_key.to(q_rope.dtype))
+        scores = (scores * self.scale).masked_fill(~allowed[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        return torch.einsum("bhr,hvr->bhv", torch.einsum("bhl,blr->bhr", probs, latent), w_uv)
 
     # -- the two attention forms ------------------------------------------------------------------------
     def attend_naive(
