@@ -5,13 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")
+from kestrel.server.chat_template import IM_END, MARKER_TOKENS, PAD, SPECIAL_TOKENS
+
+# Ids 0-2: pad, bos, eos (= <|im_end|>), so the make-model presets' pad/bos/eos ids 0/1/2 mean these.
+BYTE_SPECIALS = (PAD, "<|bos|>", IM_END)
+BYTE_VOCAB_SIZE = len(BYTE_SPECIALS) + 256 + len(SPECIAL_TOKENS) - 2 + len(MARKER_TOKENS)
+
+
+def add_chat_tokens(tok: Tokenizer) -> None:
+    """Chat control tokens (dropped from output text) and the reasoning / tool-call markers (kept)."""
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
 
 
 def byte_level_tokenizer() -> Tokenizer:
-    """Ids 0-2 are pad/bos/eos, then one token per byte (259 in all): any UTF-8 text round-trips."""
+    """Pad/bos/eos, one token per byte, then the chat tokens: any UTF-8 text and any chat round-trips."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = sorted(alphabet, key=lambda ch: _byte_of(ch))
     vocab = {tok: i for i, tok in enumerate(BYTE_SPECIALS)}
@@ -19,7 +29,8 @@ def byte_level_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(BYTE_SPECIALS))
+    tok.add_special_tokens(["<|bos|>"])
+    add_chat_tokens(tok)
     return tok
 
 

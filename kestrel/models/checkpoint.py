@@ -23,7 +23,7 @@ from kestrel.models.layers.kda import KDAAttention
 from kestrel.models.layers.moe import Experts, Router
 from kestrel.models.loader import build_model
 from kestrel.models.presets import preset_config
-from kestrel.tokenizer import BYTE_SPECIALS, byte_level_tokenizer, save_tokenizer
+from kestrel.tokenizer import BYTE_VOCAB_SIZE, byte_level_tokenizer, save_tokenizer
 
 _KIMI_EXPERT_NAMES = ("w1", "w3", "w2")
 _DS_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -145,6 +145,6 @@ def make_model(
     if dtype != torch.float32:
         target["torch_dtype"] = str(dtype).removeprefix("torch.")
     out = save_checkpoint(model, config, out_dir, dtype=dtype)
-    if cfg.vocab_size >= len(BYTE_SPECIALS) + 256:
+    if cfg.vocab_size >= BYTE_VOCAB_SIZE:
         save_tokenizer(byte_level_tokenizer(), out)
     return out
