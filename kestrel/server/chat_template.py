@@ -89,7 +89,8 @@ def render_chat(
 
 # The same rendering in Jinja, stored in tokenizer_config.json so `apply_chat_template` agrees (tested).
 JINJA_TEMPLATE = (
-    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>{%- endif -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
     "{%- if reasoning_effort -%}<|im_system|>reasoning_effort<|im_middle|>{{ reasoning_effort }}<|im_end|>"
     "{%- endif -%}"
     "{%- for m in messages -%}"
