@@ -23,7 +23,7 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 serve: setup
-	$(VENV)/bin/kestrel generate --prompt "Hello, Kestrel" --max-tokens 32
+	$(VENV)/bin/kestrel serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
 from kestrel.config import EngineConfig
+from kestrel.server.args import add_server_args
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -36,6 +38,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from kestrel.plan import Layout, format_plan, plan, resolve_model
+
+    fields = {f.name for f in dataclasses.fields(Layout)}
+    layout = Layout(**{k: v for k, v in vars(args).items() if k in fields})
+    result = plan(resolve_model(args.model), layout, model=args.model)
+    print(json.dumps(result.to_dict()) if args.json else format_plan(result))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kestrel.server.args import server_config
+    from kestrel.server.launch import serve
+
+    if logging.getLogger("kestrel").getEffectiveLevel() > logging.INFO:
+        logging.getLogger("kestrel").setLevel(logging.INFO)  # capacity and URL are what an operator needs to see
+    config = server_config(args)
+    try:
+        serve(EngineConfig(model=args.model, **engine_kwargs(args)), config)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled after shutting down cleanly
+        pass
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kestrel.bench.agentx import BenchConfig, Workload, format_table, run_bench, write_results
+
+    workload = Workload(
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        tool_tokens_min=args.tool_tokens_min,
+        tool_tokens_max=args.tool_tokens_max,
+        output_tokens_median=args.output_tokens_median,
+        min_output_tokens=args.min_output_tokens,
+        max_output_tokens=args.max_output_tokens,
+    )
+    config = BenchConfig(
+        base_url=args.base_url,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        model=args.model,
+        sessions_per_level=args.sessions_per_level,
+        workload=workload,
+        slo_ttft_p90=args.slo_ttft_p90,
+        slo_speed_p90=args.slo_speed_p90,
+        api_key=args.api_key,
+        timeout=args.timeout,
+    )
+    result = run_bench(config)
+    json_path, png_path = write_results(result, args.out)
+    print(format_table(result))
+    if args.slo_ttft_p90 is not None or args.slo_speed_p90 is not None:
+        best = result["max_concurrency_meeting_slo"]
+        slo = f"TTFT P90 <= {args.slo_ttft_p90} s, speed P90 >= {args.slo_speed_p90} tok/s"
+        print(f"largest concurrency meeting the SLO ({slo}): {best if best is not None else 'none'}")
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
 def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     """One flag per `EngineConfig` field (`--page-size`, `--max-running-requests`, ...)."""
     for f in dataclasses.fields(EngineConfig):
@@ -48,6 +111,27 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from kestrel.train.run import run_sft
+
+    trainer = run_sft(args.recipe, args.out, steps=args.steps, max_minutes=args.max_minutes, ship=args.ship)
+    state = trainer.state
+    print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
+    print(f"checkpoint: {Path(args.out) / 'checkpoint'}; loss curve: {Path(args.out) / 'loss_curve.png'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kestrel import LLM
+    from kestrel.train.evaluate import eval_arithmetic, eval_tools
+
+    llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64)
+    scores = eval_arithmetic(llm, args.n) if args.task == "arithmetic" else eval_tools(llm, args.n)
+    for name, value in scores.items():
+        print(f"{args.task}/{name}: {value:.3f}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +155,63 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(gen, max_total_tokens=4096)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the built-in one)")
+    srv.add_argument("model", nargs="?", default=None)
+    add_server_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bn = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server (serve: AgentX-style sessions)")
+    bn.add_argument("mode", choices=["serve"])
+    bn.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000 (a /v1 suffix is ok)")
+    bn.add_argument("--model", default=None, help="default: the first model /v1/models lists")
+    bn.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
+    bn.add_argument("--seed", type=int, default=0)
+    bn.add_argument("--out", default="out/bench-serve")
+    bn.add_argument("--sessions-per-level", type=int, default=None, help="default: the level's concurrency")
+    bn.add_argument("--turns", type=int, default=4)
+    bn.add_argument("--system-tokens", type=int, default=2000)
+    bn.add_argument("--tool-tokens-min", type=int, default=100)
+    bn.add_argument("--tool-tokens-max", type=int, default=2000)
+    bn.add_argument("--output-tokens-median", type=int, default=150)
+    bn.add_argument("--min-output-tokens", type=int, default=16)
+    bn.add_argument("--max-output-tokens", type=int, default=1024)
+    bn.add_argument("--slo-ttft-p90", type=float, default=None, help="seconds")
+    bn.add_argument("--slo-speed-p90", type=float, default=None, help="output tokens/s per user")
+    bn.add_argument("--api-key", default=None)
+    bn.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    bn.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plan", help="size weights, KV cache and KDA state per GPU for a deployment layout")
+    pl.add_argument("model", nargs="?", default="kimi-k3.1-pro", help="preset name or checkpoint folder")
+    for flag, default in (("gpus", 8), ("tp", 8), ("dcp", 1), ("dp-attn", 1), ("ep", 1), ("pp", 1)):
+        pl.add_argument("--" + flag, type=int, default=default)
+    pl.add_argument("--pp-partition", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    pl.add_argument("--gpu-mem-gib", type=float, default=141.0)
+    pl.add_argument("--mem-fraction", type=float, default=0.9)
+    pl.add_argument("--kv-format", default="fp8", choices=["bf16", "fp8", "nvfp4"])
+    pl.add_argument("--weight-format", default="mxfp4", choices=["mxfp4", "fp8", "bf16"])
+    pl.add_argument("--context-len", type=int, default=1 << 20)
+    pl.add_argument("--max-running-requests", type=int, default=None)
+    pl.add_argument("--speculative-algorithm", type=str.lower, default=None, choices=["dflash"])
+    pl.add_argument("--draft-kv-ring", action=argparse.BooleanOptionalAction, default=None)
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.set_defaults(func=cmd_plan)
+    tr = sub.add_parser("train", help="train a model (sft)")
+    tr.add_argument("mode", choices=["sft"])
+    tr.add_argument("--recipe", default="mini", choices=["mini", "tiny"])
+    tr.add_argument("--out", default="out/sft-mini")
+    tr.add_argument("--steps", type=int, default=None)
+    tr.add_argument("--max-minutes", type=float, default=None)
+    tr.add_argument("--ship", action="store_true", help="install the result as the embedded default model")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="held-out accuracy: arithmetic or tool calling")
+    ev.add_argument("model", nargs="?", default=None)
+    ev.add_argument("--task", required=True, choices=["arithmetic", "tools"])
+    ev.add_argument("-n", type=int, default=200)
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -48,21 +48,22 @@ def _byte_of(ch: str) -> int:
     return table[ch]
 
 
-def save_tokenizer(
-    tok: Tokenizer, out_dir: str | Path, eos_token: str = "<|eos|>", chat_template: str | None = None
-) -> None:
+def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
+    """tokenizer.json + tokenizer_config.json and chat_template.jinja carrying the Kimi chat template."""
+    from kestrel.server.chat_template import JINJA_TEMPLATE
+
     out = Path(out_dir)
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": eos_token,
-        "pad_token": "<|pad|>",
+        "eos_token": IM_END,
+        "pad_token": PAD,
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
+        "chat_template": JINJA_TEMPLATE,
     }
-    if chat_template:
-        config["chat_template"] = chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(JINJA_TEMPLATE)  # where transformers >= 5 looks first
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

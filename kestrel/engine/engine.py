@@ -95,6 +95,8 @@ class Engine:
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
         self._groups: dict[str, list[Request]] = {}
+        # Requests that sampled a token or finished in the last step() (streaming reads their new output).
+        self.advanced: list[Request] = []
         log.info(
             "capacity: %d KV tokens (%d pages of %d), %d KDA state slots, max model len %d, device %s",
             num_pages * config.page_size,
@@ -127,7 +129,13 @@ class Engine:
             return self.tokenizer.encode(prompt).ids
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> str:
         """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it."""
         ids = self.encode(prompt)
         if not ids:
@@ -156,6 +164,7 @@ class Engine:
                 )
             req = Request(request_id, ids, sub, arrival=next(self._arrivals))
             req.generator = self.sampler.make_generator(sub, self.device)
+            req.routed_experts = [] if return_routed_experts else None
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
@@ -171,6 +180,10 @@ class Engine:
         self._groups.pop(request_id, None)
         return bool(hit)
 
+    def requests(self, request_id: str) -> list[Request]:
+        """The live sub-requests of a group (empty once it finished or was aborted)."""
+        return list(self._groups.get(request_id, []))
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -180,6 +193,7 @@ class Engine:
         """Run one model step; return outputs of request groups that finished during it."""
         plan = self.scheduler.schedule()
         done: list[Request] = list(plan.rejected)
+        self.advanced = []
         if not plan.empty:
             logits, _ = self.runner.execute(plan)
             self._record_prompt_logprobs(plan, logits.prompt)
@@ -188,8 +202,10 @@ class Engine:
                 for c in plan.chunks
                 if c.samples
             ]
+            self.advanced = [c.request for c in plan.chunks if c.samples]  # before update() appends the tokens
             sampled = self.sampler.sample(logits.sample, rows)
             done += self.scheduler.update(plan, sampled)
+        self.advanced += [r for r in done if r not in self.advanced]
         return self._collect_finished(done)
 
     def _record_prompt_logprobs(self, plan, prompt_logits: dict) -> None:

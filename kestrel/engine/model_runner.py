@@ -38,6 +38,13 @@ class PagedCacheView:
         index = self.kv.index_key[layer]
         return self.kv.latent[layer][idx], self.kv.rope_key[layer][idx], index[idx] if index is not None else None
 
+    def load_index_key(self, layer, seq):
+        return self.kv.index_key[layer][self.history_slots[seq]]
+
+    def load_kv_at(self, layer, seq, positions):
+        slots = self.history_slots[seq][positions]
+        return self.kv.latent[layer][slots], self.kv.rope_key[layer][slots]
+
     def load_kv_padded(self, layer):
         if not hasattr(self, "_padded_slots"):
             lengths = [h.shape[0] for h in self.history_slots]
@@ -104,9 +111,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
         batch = self.prepare(plan)
-        if routed:
+        if routed or any(c.request.routed_experts is not None for c in plan.chunks):
             batch.routed_experts = {}
         hidden = self.model(batch)
+        if batch.routed_experts:
+            _record_routed_experts(plan, batch)
         rows = [batch.seq_slice(i).stop - 1 for i, c in enumerate(plan.chunks) if c.samples]
         sample = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, self.model.cfg.vocab_size).float()
         prompt = {
@@ -115,3 +124,18 @@ class ModelRunner:
             if c.request.params.prompt_logprobs is not None and c.start < len(c.request.prompt_ids)
         }
         return StepLogits(sample, prompt), batch
+
+
+def _record_routed_experts(plan: SchedulePlan, batch: ForwardBatch) -> None:
+    """Append, per token sampled this step, the experts every MoE layer chose for the row that sampled it.
+
+    That row's input is the token before the sampled one, so a request's entry k holds the routing computed
+    when the token at position len(prompt) - 1 + k was the input (the convention routing replay needs).
+    """
+    wanted = [(i, c.request) for i, c in enumerate(plan.chunks) if c.samples and c.request.routed_experts is not None]
+    if not wanted:
+        return
+    rows = torch.tensor([batch.seq_slice(i).stop - 1 for i, _ in wanted], device=batch.input_ids.device)
+    per_layer = {layer: ids[rows].tolist() for layer, ids in sorted(batch.routed_experts.items())}
+    for j, (_, req) in enumerate(wanted):
+        req.routed_experts.append({layer: ids[j] for layer, ids in per_layer.items()})

@@ -47,6 +47,8 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
+    # None unless asked for; else one entry per output token: MoE layer -> top-k expert ids chosen at the row
+    # that sampled it, i.e. when the token at position len(prompt_ids) - 1 + k was the input.
     routed_experts: list[dict[int, list[int]]] | None = None
 
     @property

@@ -24,6 +24,12 @@ class ModelCache(Protocol):
     def load_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Full history of sequence `seq` (prefix + new tokens): latent [L, r], rope key [L, dr], index key."""
 
+    def load_index_key(self, layer: int, seq: int) -> torch.Tensor:
+        """Index keys [L, Di] of sequence `seq`'s whole history (the DSA indexer reads all of them)."""
+
+    def load_kv_at(self, layer: int, seq: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent and rope key at the given history positions only (sparse decode reads just the top-k)."""
+
     def load_kv_padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Decode batches: every sequence's history padded to [B, L_max, ...], plus lengths [B]."""
 

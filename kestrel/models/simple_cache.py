@@ -41,6 +41,13 @@ class SimpleCache:
         latent, rope_key, index_key = self.kv[layer][seq]
         return latent, rope_key, index_key
 
+    def load_index_key(self, layer: int, seq: int):
+        return self.kv[layer][seq][2]
+
+    def load_kv_at(self, layer: int, seq: int, positions):
+        latent, rope_key, _ = self.kv[layer][seq]
+        return latent[positions], rope_key[positions]
+
     def load_kv_padded(self, layer: int):
         entries = [self.kv[layer][seq] for seq in range(self.batch.num_seqs)]
         pad = lambda j: torch.nn.utils.rnn.pad_sequence([e[j] for e in entries], batch_first=True)  # noqa: E731

@@ -80,6 +80,8 @@ class KDAAttention(nn.Module):
         t = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = batch.cache
+        if cache is None and batch.num_seqs > 1 and not batch.is_decode:
+            return self.forward_padded(x, mixed, batch)
         if cache is not None:
             conv_state, rec_state = cache.load_state(self.layer_id)
         else:
@@ -107,4 +109,31 @@ class KDAAttention(nn.Module):
             cache.store_state(self.layer_id, conv_state, rec_state)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o.to(x.dtype), gate.view(t, self.n_heads, self.head_dim))
+        return self.o_proj(o.reshape(t, -1))
+
+    def forward_padded(self, x: torch.Tensor, mixed: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Whole sequences from an empty state (training, full forward): all sequences in one padded call.
+
+        Trailing padding has zero inputs, β = 0 and g = 0, so it leaves every real position unchanged.
+        """
+        t, lens = x.shape[0], torch.tensor(batch.extend_lens, device=x.device)
+        width = int(lens.max())
+        real = torch.arange(width, device=x.device)[None, :] < lens[:, None]  # [B, L]
+
+        def pad(flat: torch.Tensor) -> torch.Tensor:
+            out = flat.new_zeros(real.shape + flat.shape[1:])
+            out[real] = flat
+            return out
+
+        weight = self.conv1d.weight.squeeze(1)
+        conv_in = F.pad(pad(mixed).transpose(1, 2), (self.kernel - 1, 0))
+        conv = F.silu(F.conv1d(conv_in, weight[:, None, :], groups=self.conv_dim)).transpose(1, 2)  # [B, L, 3C]
+        q, k, v = (y.reshape(*real.shape, self.n_heads, self.head_dim) for y in conv.split(self.conv_dim // 3, -1))
+        q = l2_normalize(q.float()) * self.head_dim**-0.5
+        k = l2_normalize(k.float())
+        g = pad(self.forget_gate(x))
+        beta = pad(torch.sigmoid(self.b_proj(x).float()))
+        o, _ = kda_chunked(q, k, v, g, beta)
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o[real].to(x.dtype), gate.view(t, self.n_heads, self.head_dim))
         return self.o_proj(o.reshape(t, -1))

@@ -3,9 +3,13 @@
 The cache holds per token only the normalised latent c (kv_lora_rank) and the rope key k_r. Two equal forms:
 naive (expand c through kv_b_proj into per-head K/V; cheap for long prefill chunks) and absorbed (fold
 kv_b_proj into the query and the output so attention runs in latent space; the decode form).
+DSA decode past `index_topk` tokens gathers the selected latents and attends over those k only (the other forms
+mask all L), so a long history costs its index keys plus k latents.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -68,26 +72,45 @@ class MLAAttention(nn.Module):
             rope_key = apply_rope_interleaved(rope_key, cos, sin)
         index_key = index_q = index_w = None
         if self.indexer is not None:
-            index_key = self.indexer.keys(x, cos, sin)
-            index_q, index_w = self.indexer.queries(q_resid, x, cos, sin)
+            # The indexer learns only from its distillation loss (selection is not differentiable): keep that
+            # loss from reaching the main model, as DeepSeek-V3.2 does.
+            ix, iq = (x.detach(), q_resid.detach()) if self.training else (x, q_resid)
+            index_key = self.indexer.keys(ix, cos, sin)
+            index_q, index_w = self.indexer.queries(iq, ix, cos, sin)
+        self.indexer_loss = None
         cache = batch.cache
         if cache is not None:
             cache.store_kv(self.layer_id, latent, rope_key, index_key)
 
         if cache is not None and batch.is_decode and batch.num_seqs > 1:
-            out = self._decode_batched(q_nope, q_rope, index_q, index_w, cache).reshape(t, self.n_heads * self.v_dim)
+            out = self._decode_batched(q_nope, q_rope, index_q, index_w, cache, batch.prefix_lens)
+            out = out.reshape(t, self.n_heads * self.v_dim)
             if self.g_proj is not None:
                 out = out * torch.sigmoid(self.g_proj(x))
             return self.o_proj(out)
         outs = []
         for seq in range(batch.num_seqs):
             sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
+            if cache is not None and sl.stop - sl.start == 1 and self._gathers(prefix + 1):
+                outs.append(self._decode_sparse(q_nope[sl], q_rope[sl], index_q[sl], index_w[sl], cache, [seq]))
+                continue
             if cache is not None:
                 hist_latent, hist_rope, hist_index = cache.load_kv(self.layer_id, seq)
             else:
                 hist_latent, hist_rope = latent[sl], rope_key[sl]
                 hist_index = index_key[sl] if index_key is not None else None
             allowed = self._allowed(sl, prefix, hist_latent, index_q, index_w, hist_index)
+            if self.training and self.indexer is not None:
+                loss = self._indexer_distill_loss(
+                    q_nope[sl],
+                    q_rope[sl],
+                    hist_latent,
+                    hist_rope,
+                    allowed,
+                    prefix,
+                    self.indexer.scores(index_q[sl], index_w[sl], hist_index),
+                )
+                self.indexer_loss = loss if self.indexer_loss is None else self.indexer_loss + loss
             attend = self.attend_absorbed if sl.stop - sl.start <= ABSORB_MAX_TOKENS else self.attend_naive
             outs.append(attend(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed))
         out = torch.cat(outs, dim=0).reshape(t, self.n_heads * self.v_dim)
@@ -118,8 +141,30 @@ class MLAAttention(nn.Module):
             self.record_index_scores.append((self.layer_id, scores.masked_fill(~causal, float("-inf")).cpu()))
         return allowed
 
-    def _decode_batched(self, q_nope, q_rope, index_q, index_w, cache) -> torch.Tensor:
+    def _indexer_distill_loss(self, q_nope, q_rope, latent, rope_key, allowed, prefix, index_scores) -> torch.Tensor:
+        """Cross-entropy of the indexer's distribution against the dense attention (head-averaged, detached)."""
+        n, length = index_scores.shape
+        causal = (
+            torch.arange(length, device=latent.device)[None, :]
+            <= torch.arange(prefix, prefix + n, device=latent.device)[:, None]
+        )
+        with torch.no_grad():
+            kv = self.kv_b_proj(latent).view(length, self.n_heads, self.nope + self.v_dim)
+            scores = torch.einsum("nhd,lhd->hnl", q_nope, kv[..., : self.nope])
+            if self.rope_dim:
+                scores = scores + torch.einsum("nhd,ld->hnl", q_rope, rope_key)
+            target = self._softmax(scores * self.scale, causal, torch.float32).mean(0)
+        logp = torch.log_softmax(index_scores.masked_fill(~causal, float("-inf")), dim=-1)
+        return -(target * logp.masked_fill(~causal, 0.0)).sum(-1).mean()
+
+    def _gathers(self, history_len: int) -> bool:
+        """Whether a decode query over `history_len` tokens takes the gathered sparse form."""
+        return self.indexer is not None and history_len > self.indexer.topk and not self.training
+
+    def _decode_batched(self, q_nope, q_rope, index_q, index_w, cache, prefix_lens: list[int]) -> torch.Tensor:
         """All sequences of a decode batch at once, in latent space over padded histories. [B, H, dv]."""
+        if self._gathers(max(prefix_lens) + 1):
+            return self._decode_sparse(q_nope, q_rope, index_q, index_w, cache, range(len(prefix_lens)))
         latent, rope_key, index_key, lengths = cache.load_kv_padded(self.layer_id)
         length = latent.shape[1]
         allowed = torch.arange(length, device=latent.device)[None, :] < lengths[:, None]  # [B, L]
@@ -131,6 +176,36 @@ class MLAAttention(nn.Module):
             if length > self.indexer.topk:
                 idx = scores.topk(self.indexer.topk, dim=-1).indices
                 allowed = allowed & torch.zeros_like(allowed).scatter_(-1, idx, True)
+        return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
+
+    def _decode_sparse(self, q_nope, q_rope, index_q, index_w, cache, seqs) -> torch.Tensor:
+        """DSA decode of one new token per sequence in `seqs` (some history longer than top-k): score every
+        cached index key, gather the top-k latents / rope keys, attend over those k. Equals the masked form up to
+        summation order."""
+        reads = [self._history_reader(cache, seq) for seq in seqs]
+        keys = [index_key for index_key, _ in reads]
+        index_key = keys[0][None] if len(keys) == 1 else torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)
+        lengths = [k.shape[0] for k in keys]
+        positions = torch.arange(index_key.shape[1], device=index_key.device)
+        allowed = positions[None, :] < torch.tensor(lengths, device=index_key.device)[:, None]  # [B, L]
+        scores = self.indexer.scores_padded(index_q, index_w, index_key).masked_fill(~allowed, float("-inf"))
+        if self.record_index_scores is not None:
+            for b, n in enumerate(lengths):
+                self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
+        idx = scores.topk(self.indexer.topk, dim=-1).indices  # [B, k]
+        selected = allowed.gather(1, idx)  # False only on the padding picked for histories shorter than k
+        idx = idx.masked_fill(~selected, 0)
+        kv = [read(idx[b]) for b, (_, read) in enumerate(reads)]
+        latent, rope_key = torch.stack([c for c, _ in kv]), torch.stack([r for _, r in kv])
+        return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
+
+    def _history_reader(self, cache, seq: int):
+        """Sequence `seq`'s index keys [L, Di] and a reader of its latents / rope keys at given positions, so the
+        unselected latents are never copied."""
+        return cache.load_index_key(self.layer_id, seq), functools.partial(cache.load_kv_at, self.layer_id, seq)
+
+    def _attend_latent_padded(self, q_nope, q_rope, latent, rope_key, allowed) -> torch.Tensor:
+        """Absorbed attention of one query per sequence over its own keys: latents [B, L, r], allowed [B, L]."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         latent = latent.to(q_nope.dtype)

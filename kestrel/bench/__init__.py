@@ -1,0 +1,1 @@
+"""Serving benchmarks that drive a running server over HTTP (`kestrel bench serve`)."""

@@ -1,0 +1,53 @@
+"""`ServerConfig`: the HTTP server's knobs, one per `kestrel serve` flag (SGLang's names where a twin exists)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("kimi", "none")
+TOOL_CALL_PARSERS = ("kimi_k2", "none")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queued_requests: int | None = None  # None: unbounded; beyond it new requests get 503 + Retry-After
+    reasoning_parser: str = "kimi"
+    tool_call_parser: str = "kimi_k2"
+    max_request_bytes: int = 4 << 20
+    graceful_shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `ServerConfig` field (`--host`, `--api-key`, `--reasoning-parser`, ...)."""
+    choices = {"reasoning_parser": REASONING_PARSERS, "tool_call_parser": TOOL_CALL_PARSERS}
+    for f in dataclasses.fields(ServerConfig):
+        kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=kind, default=f.default, dest=f.name, choices=choices.get(f.name)
+        )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})

@@ -1,0 +1,301 @@
+"""The engine in a thread of its own, reached from asyncio.
+
+The `Engine` is not thread-safe, so only the engine thread touches it. The event loop talks to it through two
+one-way channels: an inbox (`queue.SimpleQueue`) of add/abort commands that the thread drains between steps, and
+one `asyncio.Queue` per HTTP request that the thread fills with `loop.call_soon_threadsafe` (once per step for all
+requests together, so a step wakes the loop once). Every delta is computed on the engine thread from the requests'
+growing `output_ids` / `output_text`, so the loop only ever sees immutable snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.engine.request import Request
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqDelta:
+    """New output of one sequence (choice `index` of its request) since the previous event."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    routed_experts: list[dict[int, list[int]]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamEvent:
+    """What one engine step produced for one request; `output` or `error` ends the stream."""
+
+    request_id: str
+    deltas: list[SeqDelta] = field(default_factory=list)
+    output: RequestOutput | None = None
+    error: str | None = None
+    status: int = 400  # HTTP status for `error`: 400 the request was refused, 500 the engine failed
+
+    @property
+    def done(self) -> bool:
+        return self.output is not None or self.error is not None
+
+
+class QueueFull(Exception):
+    """More requests are queued than --max-queued-requests allows."""
+
+
+class EngineStopped(Exception):
+    """The engine thread has stopped; no more requests are accepted."""
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    num_prompt_tokens: int
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt_ids: list[int]
+    params: SamplingParams
+    deltas: bool
+    routed_experts: bool
+    arrival: float
+
+
+@dataclass
+class _Track:
+    """Engine-thread bookkeeping of one request group: how much of each sequence was already sent."""
+
+    add: _Add
+    requests: list[Request]
+    sent_tokens: list[int]
+    sent_text: list[int]
+    last_token_at: list[float]
+    finished: list[bool]
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int | None = None) -> None:
+        self._engine = engine
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        # Read-only facts the HTTP layer may use from any thread.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_running_requests = engine.config.max_running_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracks: dict[str, _Track] = {}  # engine thread only
+        self._live: set[str] = set()  # loop thread only: ids submitted and not yet finished
+        self._lock = threading.Lock()
+        self._stats = engine.stats()
+        self._unadmitted = 0  # submitted, not yet reflected in _stats (under _lock)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        metrics.set_engine_stats(self._stats)
+
+    # -- lifecycle (loop thread) ---------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is still running, then end the thread (after its current step)."""
+        self._stopping = True
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats)
+
+    def num_queued(self) -> int:
+        """Sequences waiting for admission, counting submissions the engine has not seen yet."""
+        with self._lock:
+            free = max(self.max_running_requests - self._stats["running"], 0)
+            return max(self._stats["waiting"] + self._unadmitted - free, 0)
+
+    # -- requests (loop thread) ----------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        deltas: bool = True,
+        routed_experts: bool = False,
+        events: asyncio.Queue | None = None,
+    ) -> RequestStream:
+        """Queue a request; its events arrive on `events` (a fresh queue unless one is shared)."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        if self.max_queued_requests is not None and self.num_queued() >= self.max_queued_requests:
+            raise QueueFull(f"{self.max_queued_requests} requests are already queued")
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, len(prompt_ids), events if events is not None else asyncio.Queue())
+        with self._lock:
+            self._unadmitted += params.n
+        self._live.add(request_id)
+        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic()))
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its stream gets a final event with finish_reason "abort". False if it is not live."""
+        if request_id not in self._live:
+            return False
+        self._inbox.put(("abort", request_id))
+        return True
+
+    def _forget(self, events: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
+        for q, event in events:
+            if event.done:
+                self._live.discard(event.request_id)
+            q.put_nowait(event)
+
+    # -- the engine thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self._engine
+        if engine.device.type == "cpu":
+            torch.set_flush_denormal(True)  # per thread, like the Engine's own setting (see Engine.__init__)
+        while True:
+            out: list[tuple[asyncio.Queue, StreamEvent]] = []
+            added = 0
+            try:
+                for cmd in self._drain(block=not engine.has_unfinished):
+                    if cmd is _STOP:
+                        self._abort_all(out, "the server is shutting down", status=503)
+                        self._post(out)
+                        return
+                    if isinstance(cmd, _Add):
+                        added += cmd.params.n
+                        self._add(cmd, out)
+                    else:
+                        self._abort(cmd[1], out)
+                if engine.has_unfinished:
+                    finished = engine.step()
+                    self._collect(engine.advanced, finished, out)
+            except Exception:  # a bug in a step must not hang every client: fail them, keep serving
+                log.exception("engine step failed; aborting all requests")
+                self._abort_all(out, "internal engine error", status=500)
+            self._post(out)
+            stats = engine.stats()
+            with self._lock:
+                self._stats = stats
+                self._unadmitted -= added
+            self.metrics.set_engine_stats(stats)
+
+    def _drain(self, block: bool) -> list[Any]:
+        cmds = [self._inbox.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _post(self, out: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
+        if out and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._forget, out)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _add(self, cmd: _Add, out: list) -> None:
+        rid = cmd.stream.request_id
+        try:
+            self._engine.add_request(cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts)
+        except ValueError as exc:
+            out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))
+            return
+        reqs = self._engine.requests(rid)
+        n = len(reqs)
+        self._tracks[rid] = _Track(cmd, reqs, [0] * n, [0] * n, [cmd.arrival] * n, [False] * n)
+
+    def _abort(self, rid: str, out: list) -> None:
+        track = self._tracks.get(rid)
+        if track is None:
+            return
+        self._engine.abort(rid)
+        self._collect(track.requests, [self._engine.make_output(track.requests)], out)
+
+    def _abort_all(self, out: list, message: str, status: int) -> None:
+        for rid, track in list(self._tracks.items()):
+            try:
+                self._engine.abort(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+            del self._tracks[rid]
+            out.append((track.add.stream.queue, StreamEvent(rid, error=message, status=status)))
+
+    def _collect(self, advanced: list[Request], finished: list[RequestOutput], out: list) -> None:
+        """Turn the requests that advanced this step into one event per request group."""
+        now = time.monotonic()
+        done = {o.request_id: o for o in finished}
+        for rid in dict.fromkeys([r.request_id for r in advanced] + list(done)):
+            track = self._tracks.get(rid)
+            if track is None:
+                continue
+            event = StreamEvent(rid, deltas=self._deltas(track, now), output=done.get(rid))
+            if event.output is not None:
+                del self._tracks[rid]
+                self.metrics.e2e.observe(now - track.add.arrival)
+                self.metrics.prompt_tokens.inc(len(track.add.prompt_ids))
+            if event.output is not None or (track.add.deltas and event.deltas):
+                out.append((track.add.stream.queue, event))
+
+    def _deltas(self, track: _Track, now: float) -> list[SeqDelta]:
+        deltas = []
+        for i, req in enumerate(track.requests):
+            n_tok, n_text = len(req.output_ids), len(req.output_text)
+            newly_finished = req.is_finished and not track.finished[i]
+            if n_tok == track.sent_tokens[i] and n_text == track.sent_text[i] and not newly_finished:
+                continue
+            t0, c0 = track.sent_tokens[i], track.sent_text[i]
+            with_lp = req.params.logprobs is not None
+            deltas.append(
+                SeqDelta(
+                    index=i,
+                    token_ids=req.output_ids[t0:],
+                    text=req.output_text[c0:],
+                    logprobs=req.logprobs[t0:] if with_lp else None,
+                    top_logprobs=req.top_logprobs[t0:] if with_lp else None,
+                    routed_experts=req.routed_experts[t0:] if req.routed_experts is not None else None,
+                    finish_reason=req.finish_reason if req.is_finished else None,
+                )
+            )
+            if n_tok > t0:
+                self.metrics.generation_tokens.inc(n_tok - t0)
+                (self.metrics.ttft if t0 == 0 else self.metrics.itl).observe(now - track.last_token_at[i])
+                track.last_token_at[i] = now
+            if newly_finished:
+                self.metrics.finished.labels(req.finish_reason or "unknown").inc()
+            track.sent_tokens[i], track.sent_text[i], track.finished[i] = n_tok, n_text, req.is_finished
+        return deltas

@@ -1,0 +1,55 @@
+"""`kestrel serve`: build the engine, wrap it in the app, run uvicorn until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.models.builtin import builtin_model_path
+from kestrel.server.args import ServerConfig
+from kestrel.server.async_engine import AsyncEngine
+from kestrel.server.metrics import ServerMetrics
+from kestrel.server.openai_api import build_app
+
+log = logging.getLogger(__name__)
+
+
+def default_model_name(model: str | None) -> str:
+    """What clients pass as `model`: the MODEL argument as given, else the built-in model's folder name."""
+    return model if model else Path(builtin_model_path()).name
+
+
+def make_server(engine_config: EngineConfig, config: ServerConfig) -> uvicorn.Server:
+    """The uvicorn server for this configuration (loads the model; the engine thread starts with the app)."""
+    engine = Engine(engine_config)
+    name = config.served_model_name or default_model_name(engine_config.model)
+    async_engine = AsyncEngine(engine, ServerMetrics(), config.max_queued_requests)
+    app = build_app(async_engine, config, name)
+    stats = engine.stats()
+    log.info(
+        "serving %s at http://%s:%d (capacity: %d KV tokens, %d concurrent requests, max model len %d)",
+        name,
+        config.host,
+        config.port,
+        stats["pages_total"] * engine_config.page_size,
+        engine_config.max_running_requests,
+        engine.max_model_len,
+    )
+    uv = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=logging.getLevelName(min(logging.getLogger("kestrel").getEffectiveLevel(), logging.INFO)).lower(),
+        timeout_graceful_shutdown=config.graceful_shutdown_timeout,
+    )
+    return uvicorn.Server(uv)
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Run until SIGINT/SIGTERM; in-flight requests get `graceful_shutdown_timeout` seconds to finish, then are
+    aborted (their pages and slots freed) before the engine thread stops."""
+    make_server(engine_config, config).run()

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in one process never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    """Gauges are set by the engine thread after every loop; latencies are observed as tokens leave it."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("kestrel_num_running_requests", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("kestrel_num_waiting_requests", "Sequences queued for admission", registry=r)
+        self.kv_pages_used = Gauge("kestrel_kv_pages_used", "KV cache pages in use", registry=r)
+        self.kv_pages_total = Gauge("kestrel_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.state_slots_used = Gauge("kestrel_state_slots_used", "KDA state slots in use", registry=r)
+        self.ttft = Histogram(
+            "kestrel_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kestrel_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "kestrel_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("kestrel_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kestrel_generation_tokens", "Generated tokens", registry=r)
+        self.finished = Counter(
+            "kestrel_requests_finished", "Finished sequences by reason", ["finish_reason"], registry=r
+        )
+
+    def set_engine_stats(self, stats: dict[str, int]) -> None:
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_pages_used.set(stats["pages_used"])
+        self.kv_pages_total.set(stats["pages_total"])
+        self.state_slots_used.set(stats["slots_used"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,224 @@
+"""Request bodies of the HTTP API (OpenAI's names, plus vLLM/SGLang's sampling extensions).
+
+Types are strict (no "1" for 1, no true for 1) so a wrong type is a 400 naming the field rather than a guess.
+Value ranges are checked once, by `SamplingParams`, so the server and the offline API agree on what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+from kestrel.engine.sampling_params import SamplingParams
+
+Str = Annotated[str, Strict()]
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+
+MAX_N = 128  # OpenAI's limit on choices per request
+SEED_RANGE = (-(2**63), 2**64 - 1 - MAX_N)  # what torch.Generator.manual_seed accepts, leaving room for seed + i
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: Str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Body):
+    name: Str
+    arguments: Str | dict[str, Any]
+
+
+class ToolCall(_Body):
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: Str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[TextPart] | None = None
+    name: Str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Str | None = None
+    reasoning_content: Str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The dict `render_chat` reads (text parts joined; `developer` is a system message)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(p.text for p in self.content)
+        if self.role == "developer":
+            out["role"] = "system"
+        return out
+
+
+class StreamOptions(_Body):
+    include_usage: Bool = False
+
+
+class SamplingFields(_Body):
+    """What chat and completions share: the model, sampling knobs, stopping, streaming."""
+
+    model: Str | None = None
+    n: Int = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    seed: Int | None = None
+    stop: Str | list[Str] | None = None
+    stop_token_ids: list[Int] | None = None
+    max_tokens: Int | None = None
+    min_tokens: Int = 0
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    user: Str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field (`SamplingParams` validation) for out-of-range values."""
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return SamplingParams(
+            n=self.n,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            **{k: v for k, v in given.items() if v is not None},
+        )
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
+    reasoning_effort: Literal["low", "high", "max"] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Str | TokenIds | Annotated[list[Str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    logprobs: Int | None = None
+    echo: Bool = False
+
+
+class GenerateSampling(_Body):
+    """SGLang's `sampling_params` of `/generate`; unknown keys are refused so a typo is not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: Int | None = None
+    min_new_tokens: Int = 0
+    n: Int = 1
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Int = -1
+    min_p: Float = 0.0
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    repetition_penalty: Float = 1.0
+    sampling_seed: Int | None = None
+    stop: Str | list[Str] | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+
+    def to_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        seed = self.sampling_seed
+        if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise ValueError(f"sampling_seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}")
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            max_tokens=default_max_tokens if self.max_new_tokens is None else self.max_new_tokens,
+            min_tokens=self.min_new_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
+        )
+
+
+class GenerateRequest(_Body):
+    """SGLang's token-level `/generate` (RL rollouts): exactly one of `text` / `input_ids`."""
+
+    text: Str | None = None
+    input_ids: list[Int] | None = None
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    return_logprob: Bool = False
+    top_logprobs_num: Int = 0
+    return_routed_experts: Bool = True
+    rid: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
+    stream: Bool = False
+
+
+class AbortRequest(_Body):
+    rid: Str

@@ -1,0 +1,210 @@
+"""What every generating endpoint shares: the serving context, admission checks, and one request's engine work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kestrel.engine.engine import RequestOutput
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.server.async_engine import AsyncEngine, EngineStopped, QueueFull, StreamEvent
+from kestrel.server.errors import APIError, ClientDisconnected
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    model_name: str
+    reasoning_parser: str | None = "kimi"  # None: reasoning stays in `content`
+    tool_call_parser: str | None = "kimi_k2"  # None: tool calls stay in `content`
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_prompt_len(self, num_tokens: int, param: str) -> None:
+        if num_tokens == 0:
+            raise APIError(400, f"{param}: the prompt must contain at least one token", param=param)
+        limit = self.engine.max_model_len
+        if num_tokens >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, and the prompt has {num_tokens} tokens "
+                f"(at most {limit - 1} leave room for one generated token).",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, f"{param}: this model has no tokenizer; send token ids", param=param)
+        return await run_in_threadpool(lambda: tok.encode(text).ids)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        return self.engine.max_model_len - num_prompt_tokens
+
+
+def sampling_error(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:
+    """`SamplingParams`' ValueError ("top_p must be in (0, 1], got 2") → 400 whose param is the field it names."""
+    match = re.match(r"(\w+)", str(exc))
+    param = match.group(1) if match else None
+    param = (renames or {}).get(param, param)
+    message = str(exc) if param is None else re.sub(r"^\w+", param, str(exc))
+    return APIError(400, message, param=param)
+
+
+def make_params(build, renames: dict[str, str] | None = None) -> SamplingParams:
+    try:
+        return build()
+    except ValueError as exc:
+        raise sampling_error(exc, renames) from None
+
+
+def event_error(event: StreamEvent) -> APIError | None:
+    if event.error is not None:
+        return APIError(event.status, event.error)
+    if event.output is not None:
+        for out in event.output.outputs:
+            if out.error:
+                return APIError(400, out.error)
+    return None
+
+
+class Generation:
+    """One HTTP request's engine work: a request group per prompt, all reporting on one queue.
+
+    Whoever creates it must `close()` it (in a `finally`): that aborts whatever has not finished, which is how a
+    disconnected client, a cancelled handler or a shutdown frees pages and state slots at once.
+    """
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request_ids: list[str],
+        prompts: list[list[int]],
+        params: SamplingParams,
+        deltas: bool,
+        routed_experts: bool = False,
+    ) -> None:
+        self.engine = ctx.engine
+        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.pending: set[str] = set()
+        try:
+            for rid, ids in zip(request_ids, prompts):
+                self.engine.submit(ids, params, rid, deltas=deltas, routed_experts=routed_experts, events=self.queue)
+                self.pending.add(rid)
+        except QueueFull as exc:
+            self.close()
+            raise APIError(503, f"server busy: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineStopped as exc:
+            self.close()
+            raise APIError(503, str(exc)) from None
+        except ValueError as exc:
+            self.close()
+            raise APIError(400, str(exc)) from None
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending
+
+    async def next(self, client: HTTPRequest | None = None) -> StreamEvent:
+        """The next event; with `client`, poll it while waiting (a non-streaming response has no other way to
+        notice a disconnect) and raise ClientDisconnected when it is gone."""
+        while True:
+            if client is None:
+                event = await self.queue.get()
+            else:
+                try:
+                    event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await client.is_disconnected():
+                        self.close()
+                        raise ClientDisconnected() from None
+                    continue
+            if event.done:
+                self.pending.discard(event.request_id)
+            return event
+
+    async def outputs(self, client: HTTPRequest) -> list[RequestOutput]:
+        """Wait for every group to finish (non-streaming); outputs in prompt order."""
+        done: dict[str, RequestOutput] = {}
+        while not self.finished:
+            event = await self.next(client)
+            err = event_error(event)
+            if err is not None:
+                raise err
+            if event.output is not None:
+                done[event.request_id] = event.output
+        return [done[rid] for rid in sorted(done, key=self.index.__getitem__)]
+
+    def close(self) -> None:
+        for rid in self.pending:
+            self.engine.abort(rid)
+        self.pending.clear()
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose engine work is aborted however the response ends: a client that disconnects
+    before the first chunk is sent cancels the body before its generator ever runs, so a `finally` inside the
+    generator is not enough."""
+
+    def __init__(self, content, gen: Generation) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+
+
+def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    cached = sum(max((c.cached_tokens for c in out.outputs), default=0) for out in outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class TokenText:
+    """Token id → the text OpenAI's logprob entries show for it (memoised; decoding is per id)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False) if self._tok else str(token_id)
+            self._cache[token_id] = text
+        return text

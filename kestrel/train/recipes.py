@@ -1,0 +1,114 @@
+"""Named training recipes: the model shape, the data sizes and the optimiser settings, all in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kestrel.train.sft import SFTConfig
+
+
+def k3_mini_config(vocab_size: int, hidden: int = 256, layers: int = 8, experts: int = 8) -> dict[str, Any]:
+    """A K3.1-shaped config: KDA + DSA (indexer, small top-k), latent MoE, SiTU, AttnRes, MLA output gate."""
+    full = [i for i in range(1, layers + 1) if i % 4 == 0]
+    text = {
+        "model_type": "kimi_k3_text",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "moe_intermediate_size": hidden // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": hidden // 2,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 64,
+        "num_experts": experts,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 2.0,
+        "routed_expert_hidden_size": hidden // 2,
+        "latent_moe_use_norm": True,
+        "first_k_dense_replace": 1,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 8.0,
+        "attn_res_block_size": 2,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "model_max_length": 4096,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, layers + 1) if i not in full],
+            "full_attn_layers": full,
+            "head_dim": 64 if hidden >= 128 else 16,
+            "num_heads": 4,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+        },
+    }
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": None,
+        "tie_word_embeddings": False,
+    }
+
+
+@dataclass
+class Recipe:
+    name: str
+    hidden: int
+    layers: int
+    experts: int
+    vocab_target: int
+    train_episodes: int
+    eval_episodes: int
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+RECIPES = {
+    # The embedded model: trained by `kestrel train sft --recipe mini` within 40 minutes on 2 CPU cores.
+    "mini": Recipe(
+        "mini",
+        hidden=256,
+        layers=8,
+        experts=8,
+        vocab_target=2048,
+        train_episodes=60000,
+        eval_episodes=256,
+        sft=SFTConfig(
+            steps=1200,
+            batch_size=12,
+            lr=2e-3,
+            warmup_steps=40,
+            eval_every=100,
+            save_every=100,
+            max_minutes=37,
+            save_dtype="bfloat16",
+        ),
+    ),
+    # Seconds-scale run for tests.
+    "tiny": Recipe(
+        "tiny",
+        hidden=64,
+        layers=4,
+        experts=4,
+        vocab_target=512,
+        train_episodes=2000,
+        eval_episodes=64,
+        sft=SFTConfig(steps=60, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=30, save_every=1000),
+    ),
+}

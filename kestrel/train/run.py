@@ -1,0 +1,71 @@
+"""`kestrel train sft --recipe NAME`: data → tokenizer → model → SFT → checkpoint (+ ship as the embedded model)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from kestrel.models.builtin import EMBEDDED_DIR
+from kestrel.models.checkpoint import save_checkpoint
+from kestrel.tokenizer import save_tokenizer
+from kestrel.train.data import episodes
+from kestrel.train.recipes import RECIPES, k3_mini_config
+from kestrel.train.sft import SFTTrainer
+from kestrel.train.tokenizer import corpus_texts, train_tokenizer
+
+log = logging.getLogger(__name__)
+HELD_OUT_SEED = 10_000  # evaluation episodes come from a different stream than training
+
+
+def run_sft(
+    recipe_name: str,
+    out_dir: str | Path,
+    steps: int | None = None,
+    max_minutes: float | None = None,
+    ship: bool = False,
+) -> SFTTrainer:
+    recipe = RECIPES[recipe_name]
+    torch.manual_seed(recipe.sft.seed)
+    if steps is not None:
+        recipe.sft.steps = steps
+    if max_minutes is not None:
+        recipe.sft.max_minutes = max_minutes
+    train = episodes(recipe.sft.seed, recipe.train_episodes)
+    held_out = episodes(HELD_OUT_SEED, recipe.eval_episodes)
+    out = Path(out_dir)
+    tok_dir = out / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(corpus_texts(train[:20000]), recipe.vocab_target)
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        save_tokenizer(tok, tok_dir)
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    config = k3_mini_config(vocab, recipe.hidden, recipe.layers, recipe.experts)
+    trainer = SFTTrainer(config, tok, train, held_out, recipe.sft, out)
+    state = trainer.train()
+    log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
+    if ship:
+        ship_embedded(trainer)
+    return trainer
+
+
+def ship_embedded(trainer: SFTTrainer, target: Path = EMBEDDED_DIR) -> Path:
+    """Write the trained model as bf16 safetensors + tokenizer under the package: the default model."""
+    if target.exists():
+        shutil.rmtree(target)
+    save_checkpoint(trainer.model, trainer.model_config_dict, target, dtype=torch.bfloat16)
+    save_tokenizer(trainer.tokenizer, target)
+    summary = {
+        "steps": trainer.state.step,
+        "minutes": round(trainer.state.seconds / 60, 1),
+        "held_out_loss": trainer.state.eval_loss[-1][1],
+    }
+    (target / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return target

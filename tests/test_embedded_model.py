@@ -1,0 +1,60 @@
+"""The shipped `kestrel-mini` (kimi_k3, every K3.1 part): it is the default, and it does its jobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel import LLM, SamplingParams
+from kestrel.models.builtin import EMBEDDED_DIR, builtin_model_path
+from kestrel.server.chat_template import render_chat
+from kestrel.train.evaluate import eval_arithmetic, eval_tools, final_answer, tool_calls
+
+pytestmark = pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").exists(), reason="kestrel-mini not built")
+
+GET_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_total_tokens=65536, max_running_requests=64)
+
+
+def test_embedded_model_is_the_default_and_small(llm):
+    assert builtin_model_path() == EMBEDDED_DIR
+    cfg = llm.engine.model_config
+    assert cfg.model_type == "kimi_k3" and {"kda", "dsa"} <= set(cfg.layer_kinds)
+    assert cfg.attn_res_block_size and cfg.hidden_act == "situ" and cfg.mla_use_output_gate
+    assert cfg.routed_expert_hidden_size and cfg.num_shared_experts >= 1 and cfg.index_topk > 0
+    size = sum(f.stat().st_size for f in EMBEDDED_DIR.glob("*.safetensors"))
+    assert size <= 30 * 2**20
+
+
+def test_weather_in_beijing_is_one_get_weather_call(llm):
+    prompt = render_chat([{"role": "user", "content": "What's the weather in Beijing?"}], [GET_WEATHER])
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=96), use_tqdm=False)[0].outputs[0].text
+    assert tool_calls(text) == [("get_weather", {"city": "Beijing"})]
+
+
+def test_percentage_question_reasons_then_answers(llm):
+    prompt = render_chat([{"role": "user", "content": "What is 15% of 240?"}], None, True, "high")
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=160), use_tqdm=False)[0].outputs[0].text
+    reasoning, _, answer = text.partition("</think>")
+    assert reasoning.strip("<think>").strip() and answer.strip()
+    print("15% of 240 ->", final_answer(text))
+
+
+def test_held_out_tool_call_accuracy_at_least_90_percent(llm):
+    assert eval_tools(llm, 100)["tool_call_exact"] >= 0.9
+
+
+def test_held_out_two_digit_addition_at_least_70_percent(llm):
+    scores = eval_arithmetic(llm, 100)
+    print("arithmetic:", scores)
+    assert scores["add2"] >= 0.7

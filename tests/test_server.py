@@ -1,0 +1,552 @@
+"""The OpenAI-compatible server, driven over real HTTP (uvicorn in a thread) by the `openai` client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+import kestrel
+from kestrel.config import EngineConfig
+from kestrel.server.args import ServerConfig
+from kestrel.server.launch import make_server
+
+MAX_MODEL_LEN = 1024
+MAX_BODY = 64 << 10
+API_KEY = "test-key"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+USER = [{"role": "user", "content": "What's the weather like in Beijing today?"}]
+TRAINED_MODEL = Path(kestrel.__file__).parent / "assets" / "kestrel-mini" / "config.json"
+
+
+@contextlib.contextmanager
+def running_server(model: str | None, engine_kwargs: dict | None = None, **server_kwargs):
+    """uvicorn on 127.0.0.1 at a free port (port 0), in a background thread; yields (base URL, model name)."""
+    engine_kwargs = {"max_total_tokens": 16384, "max_model_len": MAX_MODEL_LEN, **(engine_kwargs or {})}
+    engine_config = EngineConfig(model=model, dtype="float32", device="cpu", **engine_kwargs)
+    server = make_server(engine_config, ServerConfig(port=0, **server_kwargs))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    name = server.config.app.state.serving.model_name
+    try:
+        yield f"http://127.0.0.1:{port}", name
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from kestrel.models.checkpoint import make_model
+
+    return str(make_model("kimi_k3", "tiny", tmp_path_factory.mktemp("server") / "k3", seed=0))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running_server(checkpoint, max_request_bytes=MAX_BODY) as (url, name):
+        yield url, name
+
+
+@pytest.fixture(scope="module")
+def guarded(checkpoint):
+    """A second server: API key required, two running slots, at most one queued request, no reasoning parser."""
+    kwargs = dict(api_key=API_KEY, max_queued_requests=1, served_model_name="kimi", reasoning_parser="none")
+    with running_server(checkpoint, {"max_running_requests": 2}, **kwargs) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server[0], timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """`name{labels}` → value of every sample on /metrics."""
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def aborted(m: dict[str, float]) -> float:
+    return m.get('kestrel_requests_finished_total{finish_reason="abort"}', 0.0)
+
+
+def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        keys = ("kestrel_num_running_requests", "kestrel_kv_pages_used", "kestrel_state_slots_used")
+        if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# -- basics ------------------------------------------------------------------------------------------------
+def test_models_lists_the_served_model_and_health_is_open(http, server):
+    assert http.get("/health").status_code == 200
+    data = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [server[1]] and data[0]["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_chat_completion_is_well_formed_with_usage(client, server):
+    resp = client.chat.completions.create(model=server[1], messages=USER, max_tokens=8, temperature=0)
+    assert resp.id.startswith("chatcmpl-") and resp.object == "chat.completion"
+    (choice,) = resp.choices
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length", "tool_calls")
+    u = resp.usage
+    assert 0 < u.completion_tokens <= 8 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == 0
+
+
+def _collect_stream(stream):
+    """Streamed chunks → per choice: content, reasoning, merged tool calls, finish reason; plus the usage chunk."""
+    got: dict[int, dict] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        for c in chunk.choices:
+            g = got.setdefault(c.index, {"content": "", "reasoning": "", "calls": {}, "finish": None})
+            g["content"] += c.delta.content or ""
+            g["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            for tc in c.delta.tool_calls or []:
+                call = g["calls"].setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+                call["arguments"] += tc.function.arguments or ""
+            if c.finish_reason:
+                assert g["finish"] is None
+                g["finish"] = c.finish_reason
+    return got, usage
+
+
+def test_streamed_chat_deltas_concatenate_to_the_non_streamed_response(client, server):
+    kwargs = dict(model=server[1], messages=USER, max_tokens=40, temperature=0.9, seed=11, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    got, usage = _collect_stream(stream)
+    assert sorted(got) == [0, 1]
+    for choice in whole.choices:
+        g, msg = got[choice.index], choice.message
+        assert g["content"] == (msg.content or "")
+        assert g["reasoning"] == (getattr(msg, "reasoning_content", None) or "")
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls or []]
+        assert list(g["calls"].values()) == calls
+        assert g["finish"] == choice.finish_reason
+    assert usage is not None and usage.model_dump() == whole.usage.model_dump()
+
+
+def test_usage_chunk_only_when_asked(client, server):
+    _, usage = _collect_stream(
+        client.chat.completions.create(model=server[1], messages=USER, max_tokens=3, stream=True)
+    )
+    assert usage is None
+
+
+def test_chat_logprobs_one_entry_per_generated_token(client, server):
+    resp = client.chat.completions.create(
+        model=server[1], messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    entries = resp.choices[0].logprobs.content
+    assert len(entries) == resp.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
+
+
+def test_completions_batch_and_stream_agree(http, server):
+    body = {"model": server[1], "prompt": ["Hello", "Hi"], "max_tokens": 12, "n": 2, "temperature": 0.8, "seed": 5}
+    whole = http.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    texts: dict[int, str] = {}
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        for c in json.loads(line.removeprefix("data: "))["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert whole["usage"]["completion_tokens"] <= 4 * 12
+
+
+def test_sampling_knobs_are_accepted(client, server):
+    resp = client.chat.completions.create(
+        model=server[1],
+        messages=USER,
+        max_completion_tokens=5,
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        stop=["\n\n", "zz"],
+        seed=3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 5, "ignore_eos": True},
+    )
+    assert resp.usage.completion_tokens == 5 or resp.choices[0].finish_reason == "stop"
+
+
+# -- chat template knobs and tools ---------------------------------------------------------------------------
+def _prompt_tokens(client, name, **kwargs) -> int:
+    return client.chat.completions.create(model=name, messages=USER, max_tokens=1, **kwargs).usage.prompt_tokens
+
+
+def test_reasoning_effort_defaults_to_max_and_reaches_the_template(client, server):
+    default = _prompt_tokens(client, server[1])
+    assert _prompt_tokens(client, server[1], reasoning_effort="max") == default
+    assert _prompt_tokens(client, server[1], reasoning_effort="high") == default + 1  # byte tokens: "high" vs "max"
+
+
+def test_tool_choice_none_keeps_tools_out_of_the_prompt(client, server):
+    with_tools = _prompt_tokens(client, server[1], tools=[WEATHER_TOOL])
+    assert _prompt_tokens(client, server[1], tools=[WEATHER_TOOL], tool_choice="none") < with_tools
+    assert _prompt_tokens(client, server[1], tools=[WEATHER_TOOL], tool_choice="auto") == with_tools
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["auto", "required", "none", {"type": "function", "function": {"name": "get_weather"}}]
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_tools_are_accepted_and_the_response_is_well_formed(client, server, tool_choice, stream):
+    kwargs = dict(model=server[1], messages=USER, tools=[WEATHER_TOOL], tool_choice=tool_choice, max_tokens=16)
+    if stream:
+        got, _ = _collect_stream(client.chat.completions.create(**kwargs, stream=True))
+        g = got[0]
+        assert g["finish"] in ("stop", "length", "tool_calls")
+        assert all(c["id"] and c["name"] for c in g["calls"].values())
+        return
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:
+        assert call.type == "function" and call.id.startswith("functions.") and call.function.name
+
+
+@pytest.mark.skipif(not TRAINED_MODEL.exists(), reason="needs the trained embedded model kestrel-mini")
+def test_trained_model_calls_get_weather_for_beijing():
+    with running_server(None) as (url, name):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model=name, messages=USER, tools=[WEATHER_TOOL], temperature=0, max_tokens=256)
+        resp = client.chat.completions.create(**kwargs)
+        (call,) = resp.choices[0].message.tool_calls
+        assert resp.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Beijing"}
+        got, _ = _collect_stream(client.chat.completions.create(**kwargs, stream=True))
+        (streamed,) = got[0]["calls"].values()
+        assert streamed == {"id": call.id, "name": "get_weather", "arguments": call.function.arguments}
+
+
+# -- the engine hooks streaming relies on ----------------------------------------------------------------------------
+def test_engine_step_reports_exactly_the_requests_that_sampled_a_token(checkpoint):
+    from kestrel import LLM, SamplingParams
+
+    engine = LLM(checkpoint, device="cpu", max_total_tokens=2048, chunked_prefill_size=16).engine
+    greedy = dict(temperature=0, ignore_eos=True)
+    ids = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **greedy))]
+    ids.append(engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=2, n=2, **greedy)))  # chunked
+    reqs = [r for rid in ids for r in engine.requests(rid)]
+    saw_prefill_only_step = False
+    while engine.has_unfinished:
+        before = [len(r.output_ids) for r in reqs]
+        engine.step()
+        grew = [r for r, n in zip(reqs, before) if len(r.output_ids) > n]
+        assert sorted(map(id, engine.advanced)) == sorted(map(id, grew))
+        saw_prefill_only_step |= len(grew) < sum(not r.is_finished for r in reqs)
+    assert saw_prefill_only_step and all(len(r.output_ids) == r.params.max_tokens for r in reqs)
+
+
+# -- /generate and /abort_request -----------------------------------------------------------------------------
+def test_generate_returns_logprobs_and_routed_experts_of_the_row_that_sampled_each_token(http, checkpoint):
+    from kestrel.models.forward_batch import ForwardBatch
+    from kestrel.models.loader import load_model
+    from kestrel.models.simple_cache import SimpleCache
+
+    prompt = [5, 17, 99, 3, 42, 7]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0}, "return_logprob": True}
+    out = http.post("/generate", json=body).json()
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == meta["completion_tokens"] == 5 and meta["finish_reason"]["type"] == "length"
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert meta["routed_experts_start_position"] == len(prompt) - 1
+    # Reference: one plain forward over prompt + outputs; entry k is the routing at input position len(prompt)-1+k.
+    model, cfg = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    moe_layers = [i for i, kind in enumerate(cfg.mlp_kinds) if kind == "moe"]
+    assert meta["routed_experts_layers"] == moe_layers
+    ids = torch.tensor(prompt + out["output_ids"][:-1])
+    batch = SimpleCache(model, 1).bind(ForwardBatch.single(ids))
+    batch.routed_experts = {}
+    with torch.inference_mode():
+        model(batch)
+    for k, per_layer in enumerate(meta["routed_experts"]):
+        want = [sorted(batch.routed_experts[layer][len(prompt) - 1 + k].tolist()) for layer in moe_layers]
+        assert [sorted(e) for e in per_layer] == want
+
+
+def test_abort_request_ends_a_running_generate(http):
+    body = {"input_ids": [1, 2, 3], "rid": "rollout-7", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(http.post("/generate", json=body).json()))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not http.post("/abort_request", json={"rid": "rollout-7"}).json()["aborted"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker.join(30)
+    assert result["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert len(result["output_ids"]) < 900
+    assert wait_idle(http)["kestrel_kv_pages_used"] == 0
+
+
+# -- many clients, disconnects -----------------------------------------------------------------------------------
+def test_32_streaming_clients_8_disconnect_and_every_page_and_slot_is_freed(server, http):
+    url, name = server
+    before = aborted(metrics(http))
+
+    async def one(ac: httpx.AsyncClient, i: int, leave: bool) -> str:
+        body = {
+            "model": name,
+            "messages": [{"role": "user", "content": f"client {i}"}],
+            "stream": True,
+            "logprobs": True,  # every token yields a chunk, even while text is held back
+            "temperature": 0.9,
+            "seed": i,
+            "max_tokens": 900 if leave else 12,
+            "ignore_eos": leave,
+        }
+        chunks, finish = 0, None
+        async with ac.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return f"done:{finish}"
+                chunks += 1
+                if leave and chunks == 4:
+                    return "left"  # leaving the block closes the connection mid-stream
+                for c in json.loads(line[6:])["choices"]:
+                    finish = c["finish_reason"] or finish
+        return "truncated"
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as ac:
+            return await asyncio.gather(*(one(ac, i, i % 4 == 0) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert results.count("left") == 8 and results.count("done:length") + results.count("done:stop") == 24
+    m = wait_idle(http)
+    assert m["kestrel_kv_pages_used"] == m["kestrel_state_slots_used"] == m["kestrel_num_running_requests"] == 0
+    assert aborted(m) - before == 8
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(server, http):
+    before = aborted(metrics(http))
+    body = {"model": server[1], "messages": USER, "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while aborted(metrics(http)) == before:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+    assert wait_idle(http)["kestrel_kv_pages_used"] == 0
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+MSG = [{"role": "user", "content": "hi"}]
+NAMELESS_TOOL = {"type": "function", "function": {"parameters": {}}}
+LIST_PARAMS_TOOL = {"type": "function", "function": {"name": "f", "parameters": []}}
+UNKNOWN_CHOICE = {"type": "function", "function": {"name": "x"}}
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ('{"messages": [', 400, None),
+        ({}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+        ({"messages": MSG, "max_tokens": "10"}, 400, "max_tokens"),
+        ({"messages": MSG, "stream": "yes"}, 400, "stream"),
+        ({"messages": MSG, "stop": 7}, 400, "stop"),
+        ({"messages": MSG, "temperature": -1}, 400, "temperature"),
+        ({"messages": MSG, "top_p": 0}, 400, "top_p"),
+        ({"messages": MSG, "n": 0}, 400, "n"),
+        ({"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": MSG, "max_completion_tokens": -3}, 400, "max_completion_tokens"),
+        ({"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+        ({"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+        ({"messages": MSG, "seed": 2**80}, 400, "seed"),
+        ({"messages": MSG, "reasoning_effort": "medium"}, 400, "reasoning_effort"),
+        ({"messages": MSG, "model": "gpt-4o"}, 404, "model"),
+        ({"messages": MSG, "tools": [NAMELESS_TOOL]}, 400, "tools[0].function.name"),
+        ({"messages": MSG, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
+        ({"messages": MSG, "tools": [LIST_PARAMS_TOOL]}, 400, "tools[0].function.parameters"),
+        ({"messages": MSG, "tools": [WEATHER_TOOL], "tool_choice": UNKNOWN_CHOICE}, 400, "tool_choice.function.name"),
+        ({"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+        ({"messages": MSG, "tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, 400, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}, 400, "messages"),
+    ],
+)  # fmt: skip
+def test_invalid_chat_requests_get_an_openai_error(http, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {}
+    r = http.post("/v1/chat/completions", json=None if kwargs else body, **kwargs)
+    err = assert_openai_error(r, status, param)
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_too_long_prompt_names_the_context_limit(http):
+    body = {"messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}
+    err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "messages")
+    assert str(MAX_MODEL_LEN) in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_oversized_body_is_413(http):
+    body = {"messages": [{"role": "user", "content": "x" * MAX_BODY}]}
+    assert_openai_error(http.post("/v1/chat/completions", json=body), 413)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "echo": True}, "echo"),
+        ("/generate", {"text": "a", "input_ids": [1]}, "input_ids"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+        ("/abort_request", {}, "rid"),
+    ],
+)
+def test_invalid_requests_to_other_endpoints_get_an_openai_error(http, path, body, param):
+    assert_openai_error(http.post(path, json=body), 400, param)
+
+
+def test_api_key_guards_every_v1_route_but_not_health(guarded):
+    url, name = guarded
+    chat = {"model": name, "messages": MSG, "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        assert_openai_error(httpx.post(url + "/v1/chat/completions", json=chat, headers=headers), 401)
+        assert_openai_error(httpx.get(url + "/v1/models", headers=headers), 401)
+    assert_openai_error(httpx.post(url + "/v1/chat/completions", content="{", headers={}), 401)
+    assert httpx.get(url + "/health").status_code == 200
+    ok = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    assert ok.chat.completions.create(**chat).usage.completion_tokens == 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_reasoning_parser_none_leaves_reasoning_in_content(guarded, http):
+    body = {"messages": MSG, "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    plain = httpx.post(guarded[0] + "/v1/chat/completions", json=body, headers=headers).json()
+    assert "reasoning_content" not in plain["choices"][0]["message"]
+    assert "reasoning_content" in http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+
+
+def test_requests_beyond_the_queue_limit_get_503_with_retry_after(guarded):
+    url = guarded[0]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    rids = [f"q{i}" for i in range(5)]  # 2 run, 1 may wait, the rest are refused
+    sampling = {"max_new_tokens": 900, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, headers=auth, timeout=60) as ac:
+            posts = [
+                ac.post("/generate", json={"input_ids": [1, 2], "rid": rid, "sampling_params": sampling})
+                for rid in rids
+            ]
+            tasks = [asyncio.create_task(p) for p in posts]
+            await asyncio.sleep(0.5)
+            for rid in rids:
+                await ac.post("/abort_request", json={"rid": rid})
+            return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(main())
+    assert sorted(r.status_code for r in responses) == [200, 200, 200, 503, 503]
+    refused = [r for r in responses if r.status_code == 503]
+    assert all(r.headers["retry-after"] for r in refused)
+    assert_openai_error(refused[0], 503)
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kestrel_serve_logs_capacity_and_url_and_sigint_lets_inflight_requests_finish(checkpoint, tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kestrel.cli", "serve", checkpoint, "--port", str(port), "--device", "cpu"]
+    cmd += ["--max-total-tokens", "4096", "--max-model-len", "1024"]
+    log_file = open(tmp_path / "serve.log", "w+")  # a file, not a pipe: a full pipe would block the server
+    proc = subprocess.Popen(cmd, stderr=log_file, stdout=log_file, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        body = {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "stream": True, "logprobs": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 3:
+                    proc.send_signal(signal.SIGINT)  # once: a second SIGINT means "force quit" to uvicorn
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+        log = (tmp_path / "serve.log").read_text()
+        assert "capacity" in log and url in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log_file.close()

@@ -1,0 +1,96 @@
+"""Synthetic data, tokenizer, chat template agreement with transformers, and the SFT trainer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kestrel.models.loader import load_model
+from kestrel.server.chat_template import render_chat
+from kestrel.tokenizer import save_tokenizer
+from kestrel.train.data import episodes, percent_trace, tool_episode
+from kestrel.train.sft import encode_episode
+from kestrel.train.tokenizer import corpus_texts, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(corpus_texts(episodes(0, 1500)), 1024)
+
+
+def test_episodes_are_deterministic_and_cover_every_kind():
+    a, b = episodes(3, 300), episodes(3, 300)
+    assert [e.messages for e in a] == [e.messages for e in b]
+    assert {e.kind for e in a} == {"arithmetic", "tools", "smalltalk"}
+    assert "15% of 240 is 36" in percent_trace(15, 240)
+
+
+def test_tool_episode_uses_kimi_k2_call_format():
+    import random
+
+    ep = tool_episode(random.Random(0), city="Beijing", tool="get_weather")
+    text = render_chat(ep.messages, ep.tools, False)
+    assert (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Beijing"}<|tool_call_end|><|tool_calls_section_end|>' in text
+    )
+    assert any(t["function"]["name"] == "get_weather" for t in ep.tools)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_tokenizer_round_trips_arbitrary_utf8(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_digits_are_single_tokens(tokenizer):
+    ids = tokenizer.encode("12345").ids
+    assert [tokenizer.id_to_token(i) for i in ids] == list("12345")
+
+
+def test_kestrel_template_equals_transformers_apply_chat_template(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    save_tokenizer(tokenizer, tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    for ep in episodes(5, 40):
+        for gen in (True, False):
+            ours = render_chat(ep.messages, ep.tools, gen, ep.reasoning_effort)
+            theirs = hf.apply_chat_template(
+                ep.messages,
+                tools=ep.tools,
+                add_generation_prompt=gen,
+                tokenize=False,
+                reasoning_effort=ep.reasoning_effort,
+            )
+            assert ours == theirs
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
+    for ep in episodes(6, 30):
+        ids, mask = encode_episode(tokenizer, ep)
+        whole = tokenizer.encode(render_chat(ep.messages, ep.tools, False, ep.reasoning_effort)).ids
+        assert ids == whole
+        learned = tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+        for m in ep.messages:
+            if m["role"] == "assistant" and m.get("content"):
+                assert m["content"] in learned
+            if m["role"] == "user":
+                assert m["content"] not in learned
+
+
+def test_short_training_lowers_held_out_loss_and_resumes(tmp_path):
+    from kestrel.train.run import run_sft
+
+    trainer = run_sft("tiny", tmp_path / "run", steps=40)
+    first, last = trainer.state.eval_loss[0][1], trainer.state.eval_loss[-1][1]
+    assert last < 0.75 * first, trainer.state.eval_loss
+    assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 1000
+    model, cfg = load_model(tmp_path / "run" / "checkpoint")  # the loader's format
+    assert cfg.model_type == "kimi_k3"
+    resumed = run_sft("tiny", tmp_path / "run", steps=50)
+    assert resumed.state.step == 50 and resumed.state.train_loss[39][0] == 40
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["steps"] == 50
