@@ -31,7 +31,7 @@ WEATHER_TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "description": "Current weather in a city",
+        "description": "Get the current weather for a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
@@ -262,10 +262,26 @@ def test_tools_are_accepted_and_the_response_is_well_formed(client, server, tool
 
 
 @pytest.mark.skipif(not TRAINED_MODEL.exists(), reason="needs the trained embedded model kestrel-mini")
-def test_trained_model_calls_get_weather_for_beijing():
+def test_trained_model_reasons_then_answers():
+    """The seed cookbook's §3.1 snippet: reasoning_effort="high" gives reasoning_content and content."""
     with running_server(None) as (url, name):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        kwargs = dict(model=name, messages=USER, tools=[WEATHER_TOOL], temperature=0, max_tokens=256)
+        resp = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "What is 15% of 240?"}],
+            reasoning_effort="high",
+        )
+        msg = resp.choices[0].message
+        assert getattr(msg, "reasoning_content", None) and msg.content
+
+
+@pytest.mark.skipif(not TRAINED_MODEL.exists(), reason="needs the trained embedded model kestrel-mini")
+def test_trained_model_calls_get_weather_for_beijing():
+    """The seed cookbook's §3.2 snippet (its message and tool schema), only base_url and model changed."""
+    with running_server(None) as (url, name):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What's the weather in Beijing?"}]
+        kwargs = dict(model=name, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=256)
         resp = client.chat.completions.create(**kwargs)
         (call,) = resp.choices[0].message.tool_calls
         assert resp.choices[0].finish_reason == "tool_calls"
