@@ -9,44 +9,24 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.cache.free_list import FreeList
 from kestrel.config import ModelConfig
 
 
-class PageAllocator:
-    """Free list of page ids. Invariant: free + allocated == num_pages, no page handed out twice."""
+class PageAllocator(FreeList):
+    """Page ids for the scheduler; a request's page table addresses every MLA/DSA layer at once."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+        super().__init__(num_pages, "page")
         self.num_pages, self.page_size = num_pages, page_size
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._allocated: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._allocated)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def alloc(self, n: int) -> list[int] | None:
-        """n pages, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
-            return None
-        pages = [self._free.pop() for _ in range(n)]
-        self._allocated.update(pages)
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        for page in pages:
-            if page not in self._allocated:
-                raise RuntimeError(f"page {page} freed twice or never allocated")
-            self._allocated.remove(page)
-            self._free.append(page)
+    alloc = FreeList.take
+    free = FreeList.give_back
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -7,37 +7,23 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.cache.free_list import FreeList
 from kestrel.config import ModelConfig
 
 
-class SlotAllocator:
-    """Free list of state-slot ids with exact accounting."""
+class SlotAllocator(FreeList):
+    """KDA state-slot ids for the scheduler: one per running request."""
 
     def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots, "state slot")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._allocated: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._allocated)
 
     def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._allocated.add(slot)
-        return slot
+        got = self.take(1)
+        return got[0] if got else None
 
     def free(self, slot: int) -> None:
-        if slot not in self._allocated:
-            raise RuntimeError(f"state slot {slot} freed twice or never allocated")
-        self._allocated.remove(slot)
-        self._free.append(slot)
+        self.give_back([slot])
 
 
 def state_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype) -> int:

@@ -52,23 +52,15 @@ class Indexer(nn.Module):
         return torch.einsum("bh,bhl->bl", w, torch.relu(s))
 
 
-def causal_topk_mask(scores: torch.Tensor, prefix_len: int, topk: int) -> torch.Tensor:
-    """Allowed [n, L]: the top-k positions among s <= prefix_len + j for query j (all of them if fewer)."""
-    n, length = scores.shape
-    query_pos = torch.arange(prefix_len, prefix_len + n, device=scores.device)[:, None]
-    causal = torch.arange(length, device=scores.device)[None, :] <= query_pos
-    if length <= topk:
+def causal_mask(prefix_len: int, n: int, length: int, device) -> torch.Tensor:
+    """[n, L]: query j (at position prefix_len + j) may see key s iff s <= prefix_len + j."""
+    query_pos = torch.arange(prefix_len, prefix_len + n, device=device)[:, None]
+    return torch.arange(length, device=device)[None, :] <= query_pos
+
+
+def topk_mask(scores: torch.Tensor, causal: torch.Tensor, topk: int) -> torch.Tensor:
+    """Allowed [n, L]: the top-k causal positions per query (all of them if fewer)."""
+    if scores.shape[-1] <= topk:
         return causal
-    masked = scores.masked_fill(~causal, float("-inf"))
-    idx = masked.topk(topk, dim=-1).indices
-    selected = torch.zeros_like(causal).scatter_(-1, idx, True)
-    return selected & causal
-
-
-def causal_topk_indices(scores: torch.Tensor, prefix_len: int, topk: int) -> torch.Tensor:
-    """Indices [n, min(topk, L)] of the selection (future positions masked); used by the decode gather path."""
-    n, length = scores.shape
-    query_pos = torch.arange(prefix_len, prefix_len + n, device=scores.device)[:, None]
-    causal = torch.arange(length, device=scores.device)[None, :] <= query_pos
-    masked = scores.masked_fill(~causal, float("-inf"))
-    return masked.topk(min(topk, length), dim=-1).indices
+    idx = scores.masked_fill(~causal, float("-inf")).topk(topk, dim=-1).indices
+    return torch.zeros_like(causal).scatter_(-1, idx, True) & causal

@@ -16,7 +16,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
-from kestrel.models.layers.dsa import Indexer, causal_topk_mask
+from kestrel.models.layers.dsa import Indexer, causal_mask, topk_mask
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
 
@@ -84,14 +84,12 @@ class MLAAttention(nn.Module):
 
         if cache is not None and batch.is_decode and batch.num_seqs > 1:
             out = self._decode_batched(q_nope, q_rope, index_q, index_w, cache, batch.prefix_lens)
-            out = out.reshape(t, self.n_heads * self.v_dim)
-            if self.g_proj is not None:
-                out = out * torch.sigmoid(self.g_proj(x))
-            return self.o_proj(out)
+            return self._output(out, x)
         outs = []
         for seq in range(batch.num_seqs):
             sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
-            if cache is not None and sl.stop - sl.start == 1 and self._gathers(prefix + 1):
+            n = sl.stop - sl.start
+            if cache is not None and n == 1 and self._gathers(prefix + 1):
                 outs.append(self._decode_sparse(q_nope[sl], q_rope[sl], index_q[sl], index_w[sl], cache, [seq]))
                 continue
             if cache is not None:
@@ -99,55 +97,29 @@ class MLAAttention(nn.Module):
             else:
                 hist_latent, hist_rope = latent[sl], rope_key[sl]
                 hist_index = index_key[sl] if index_key is not None else None
-            allowed = self._allowed(sl, prefix, hist_latent, index_q, index_w, hist_index)
-            if self.training and self.indexer is not None:
-                loss = self._indexer_distill_loss(
-                    q_nope[sl],
-                    q_rope[sl],
-                    hist_latent,
-                    hist_rope,
-                    allowed,
-                    prefix,
-                    self.indexer.scores(index_q[sl], index_w[sl], hist_index),
-                )
-                self.indexer_loss = loss if self.indexer_loss is None else self.indexer_loss + loss
-            attend = self.attend_absorbed if sl.stop - sl.start <= ABSORB_MAX_TOKENS else self.attend_naive
+            allowed = causal_mask(prefix, n, hist_latent.shape[0], hist_latent.device)
+            if self.indexer is not None:
+                scores = self.indexer.scores(index_q[sl], index_w[sl], hist_index)
+                if self.record_index_scores is not None:
+                    self.record_index_scores.append((self.layer_id, scores.masked_fill(~allowed, float("-inf")).cpu()))
+                if self.training:
+                    loss = self._indexer_distill_loss(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed, scores)
+                    self.indexer_loss = loss if self.indexer_loss is None else self.indexer_loss + loss
+                allowed = topk_mask(scores, allowed, self.indexer.topk)
+            attend = self.attend_absorbed if n <= ABSORB_MAX_TOKENS else self.attend_naive
             outs.append(attend(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed))
-        out = torch.cat(outs, dim=0).reshape(t, self.n_heads * self.v_dim)
+        return self._output(torch.cat(outs, dim=0), x)
+
+    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Heads [T, H, dv] → optional output gate (K3) → o_proj."""
+        out = out.reshape(x.shape[0], self.n_heads * self.v_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
 
-    def _allowed(
-        self,
-        sl: slice,
-        prefix: int,
-        hist_latent: torch.Tensor,
-        index_q: torch.Tensor | None,
-        index_w: torch.Tensor | None,
-        hist_index: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Boolean [n, L]: causal, and restricted to the indexer's top-k for DSA layers."""
-        n, length, device = sl.stop - sl.start, hist_latent.shape[0], hist_latent.device
-        if self.indexer is None:
-            query_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
-            return torch.arange(length, device=device)[None, :] <= query_pos
-        scores = self.indexer.scores(index_q[sl], index_w[sl], hist_index)
-        allowed = causal_topk_mask(scores, prefix, self.indexer.topk)
-        if self.record_index_scores is not None:
-            causal = (
-                torch.arange(length, device=device)[None, :] <= torch.arange(prefix, prefix + n, device=device)[:, None]
-            )
-            self.record_index_scores.append((self.layer_id, scores.masked_fill(~causal, float("-inf")).cpu()))
-        return allowed
-
-    def _indexer_distill_loss(self, q_nope, q_rope, latent, rope_key, allowed, prefix, index_scores) -> torch.Tensor:
+    def _indexer_distill_loss(self, q_nope, q_rope, latent, rope_key, causal, index_scores) -> torch.Tensor:
         """Cross-entropy of the indexer's distribution against the dense attention (head-averaged, detached)."""
-        n, length = index_scores.shape
-        causal = (
-            torch.arange(length, device=latent.device)[None, :]
-            <= torch.arange(prefix, prefix + n, device=latent.device)[:, None]
-        )
+        length = latent.shape[0]
         with torch.no_grad():
             kv = self.kv_b_proj(latent).view(length, self.n_heads, self.nope + self.v_dim)
             scores = torch.einsum("nhd,lhd->hnl", q_nope, kv[..., : self.nope])
