@@ -54,7 +54,6 @@ def test_held_out_tool_call_accuracy_at_least_90_percent(llm):
     assert eval_tools(llm, 100)["tool_call_exact"] >= 0.9
 
 
-@pytest.mark.xfail(strict=False, reason="issue 4: the mini recipe reaches ~50% on 2-digit addition, not yet 70%")
 def test_held_out_two_digit_addition_at_least_70_percent(llm):
     scores = eval_arithmetic(llm, 100)
     print("arithmetic:", scores)
