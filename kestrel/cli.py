@@ -35,6 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     out = llm.generate(args.prompt, params, use_tqdm=False)[0]
     print(args.prompt + out.outputs[0].text)
+    llm.close()
     return 0
 
 
@@ -105,8 +106,12 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         if f.name == "model":
             continue
         default = defaults.get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if "bool" in str(f.type):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name)
+            continue
         kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default, dest=f.name)
+        parser.add_argument(flag, type=kind, default=default, dest=f.name)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -352,6 +352,14 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     max_model_len: int | None = None
     seed: int = 0
+    # Prefix cache (radix tree with KDA state checkpoints) and its lower tiers (HiCache).
+    enable_prefix_caching: bool = True
+    state_track_interval: int = 256
+    max_states_per_path: int = -1
+    max_state_checkpoints: int | None = None
+    hicache_size: float = 0.0
+    hicache_storage_dir: str | None = None
+    hicache_write_policy: str = "write_through"
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, why: str) -> None:
@@ -366,3 +374,16 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         need(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size", ">= 1 or -1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        need(
+            self.state_track_interval >= self.page_size and self.state_track_interval % self.page_size == 0,
+            "state_track_interval",
+            f"must be a positive multiple of page_size ({self.page_size})",
+        )
+        need(self.max_states_per_path >= -1, "max_states_per_path", "must be >= 0, or -1 for unlimited")
+        need(self.max_state_checkpoints is None or self.max_state_checkpoints >= 0, "max_state_checkpoints", ">= 0")
+        need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
+        need(
+            self.hicache_write_policy in ("write_through", "write_through_selective", "write_back"),
+            "hicache_write_policy",
+            "write_through|write_through_selective|write_back",
+        )

@@ -40,8 +40,13 @@ def _assert_matches_reference(llm: LLM, prompts, outputs, n: int = NEW_TOKENS) -
 
 
 def _assert_all_freed(llm: LLM) -> None:
-    stats = llm.engine.stats()
+    """Idle: everything allocated belongs to the prefix cache, and clearing the cache frees every id."""
+    engine = llm.engine
+    stats = engine.stats()
     assert stats["pages_used"] == 0 and stats["slots_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    if engine.cache is not None:
+        engine.cache.clear()
+    assert engine.pages.num_used == 0 and (engine.slots is None or engine.slots.num_used == 0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -142,6 +142,20 @@ def test_chat_completion_is_well_formed_with_usage(client, server):
     assert u.prompt_tokens_details.cached_tokens == 0
 
 
+def test_repeated_prefix_reports_cached_tokens_in_usage_and_metrics(client, server, http):
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    messages = [system, {"role": "user", "content": "Tell me about prefix caching."}]
+    first = client.chat.completions.create(model=server[1], messages=messages, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model=server[1], messages=messages, max_tokens=4, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+    m = wait_idle(http)
+    assert m['kestrel_prefix_cache_hit_tokens{tier="device"}'] >= cached
+    assert m["kestrel_prefix_cache_checkpoints"] > 0 and m["kestrel_prefix_cache_pages"] > 0
+
+
 def _collect_stream(stream):
     """Streamed chunks → per choice: content, reasoning, merged tool calls, finish reason; plus the usage chunk."""
     got: dict[int, dict] = {}

@@ -75,10 +75,12 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
         whole = tokenizer.encode(render_chat(ep.messages, ep.tools, False, ep.reasoning_effort)).ids
         assert ids == whole
         learned = tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+        replies = " ".join(m.get("content") or "" for m in ep.messages if m["role"] == "assistant")
+        assert "<|im_user|>" not in learned and "<|im_system|>" not in learned
         for m in ep.messages:
             if m["role"] == "assistant" and m.get("content"):
                 assert m["content"] in learned
-            if m["role"] == "user":
+            if m["role"] == "user" and m["content"] not in replies:  # ("Goodbye" → "Goodbye! Have a ...")
                 assert m["content"] not in learned
 
 

@@ -52,3 +52,39 @@ class KVStorage:
             self.rope_key[layer] = torch.zeros(slots, cfg.qk_rope_head_dim, dtype=dtype, device=device)
             dsa = cfg.layer_kinds[layer] == "dsa"
             self.index_key[layer] = torch.zeros(slots, cfg.index_head_dim, dtype=dtype, device=device) if dsa else None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every per-layer tensor, in a fixed order (the packed page layout follows it)."""
+        out = []
+        for layer in self.latent:
+            out += [self.latent[layer], self.rope_key[layer]]
+            if self.index_key[layer] is not None:
+                out.append(self.index_key[layer])
+        return out
+
+    def gather_pages(self, pages: list[int], page_size: int) -> torch.Tensor:
+        """The pages' contents packed as [n_pages, page_size, width] (all layers side by side), on the CPU.
+
+        All cached quantities share one dtype, so one tensor per page carries every layer: that is the unit
+        the host tier keeps and the disk tier writes.
+        """
+        slots = _page_slots(pages, page_size, self.latent[next(iter(self.latent))].device)
+        packed = torch.cat([t[slots] for t in self._tensors()], dim=-1)
+        return packed.view(len(pages), page_size, -1).to("cpu", copy=True)
+
+    def scatter_pages(self, pages: list[int], page_size: int, packed: torch.Tensor) -> None:
+        """Inverse of `gather_pages`: write packed contents into the given (fresh) pages."""
+        tensors = self._tensors()
+        slots = _page_slots(pages, page_size, tensors[0].device)
+        flat = packed.reshape(len(pages) * page_size, -1).to(tensors[0].device)
+        for t, part in zip(tensors, flat.split([t.shape[1] for t in tensors], dim=-1)):
+            t.index_copy_(0, slots, part.to(t.dtype))
+
+    @property
+    def packed_width(self) -> int:
+        return sum(t.shape[1] for t in self._tensors())
+
+
+def _page_slots(pages: list[int], page_size: int, device) -> torch.Tensor:
+    table = torch.tensor(pages, dtype=torch.long, device=device)
+    return (table[:, None] * page_size + torch.arange(page_size, device=device)[None, :]).reshape(-1)

@@ -61,3 +61,17 @@ class StateStorage:
         for layer in self.conv:
             self.conv[layer][dst] = self.conv[layer][src]
             self.recurrent[layer][dst] = self.recurrent[layer][src]
+
+    def gather(self, slot: int) -> dict[str, torch.Tensor]:
+        """One slot's conv + recurrent states of every KDA layer, on the CPU (host tier, disk tier)."""
+        out = {}
+        for layer in self.conv:
+            # copy=True: on a CPU device `.cpu()` would return a view of the slot, which gets reused.
+            out[f"conv.{layer}"] = self.conv[layer][slot].to("cpu", copy=True)
+            out[f"recurrent.{layer}"] = self.recurrent[layer][slot].to("cpu", copy=True)
+        return out
+
+    def scatter(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        for layer in self.conv:
+            self.conv[layer][slot] = state[f"conv.{layer}"].to(self.conv[layer].device)
+            self.recurrent[layer][slot] = state[f"recurrent.{layer}"].to(self.recurrent[layer].device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
+from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
 from kestrel.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
@@ -78,10 +81,28 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        num_slots = config.max_running_requests if cfg.kda_layers else 0
+        num_slots = self._num_slots()
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots) if num_slots else None
+        self.runner = ModelRunner(self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype])
+        self.hicache: HiCache | None = None
+        self.cache: RadixCache | None = None
+        if config.enable_prefix_caching:
+            namespace = model_fingerprint(path, config)
+            if config.hicache_size > 0 or config.hicache_storage_dir:
+                self.hicache = HiCache(
+                    int(config.hicache_size * 1e9), config.hicache_storage_dir, config.hicache_write_policy, namespace
+                )
+            self.cache = RadixCache(
+                self.pages,
+                self.slots,
+                self.runner,
+                config.state_track_interval,
+                config.max_states_per_path,
+                self.hicache,
+                namespace.encode(),
+            )
         eos = list(cfg.eos_token_id)
         self.scheduler = Scheduler(
             self.pages,
@@ -90,8 +111,8 @@ class Engine:
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
             eos,
+            self.cache,
         )
-        self.runner = ModelRunner(self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype])
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
         self._groups: dict[str, list[Request]] = {}
@@ -106,6 +127,18 @@ class Engine:
             self.max_model_len,
             self.device,
         )
+
+    def _num_slots(self) -> int:
+        """KDA state slots: one per running request, plus (prefix cache) a tail slot each and checkpoints."""
+        config = self.config
+        if not self.model_config.kda_layers:
+            return 0
+        if not config.enable_prefix_caching:
+            return config.max_running_requests
+        checkpoints = config.max_state_checkpoints
+        if checkpoints is None:
+            checkpoints = 4 * config.max_running_requests
+        return 2 * config.max_running_requests + checkpoints
 
     def _num_pages(self, num_slots: int) -> int:
         cfg, config = self.model_config, self.config
@@ -249,10 +282,42 @@ class Engine:
         return out
 
     def stats(self) -> dict[str, int]:
-        return {
+        """Counts; pages and slots the prefix cache could evict at once are reported apart from "used"."""
+        cached_pages = self.cache.evictable_pages() if self.cache is not None else 0
+        checkpoints = self.cache.device_checkpoints() if self.cache is not None else 0
+        out = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "pages_used": self.pages.num_used,
+            "pages_used": self.pages.num_used - cached_pages,
             "pages_total": self.pages.num_pages,
-            "slots_used": self.slots.num_used if self.slots else 0,
+            "slots_used": (self.slots.num_used if self.slots else 0) - checkpoints,
+            "computed_tokens": self.scheduler.num_computed_tokens,
         }
+        if self.cache is not None:
+            out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
+            out["prefix_cache_pages"] = self.cache.device_pages()
+            out["prefix_cache_checkpoints"] = self.cache.device_checkpoints()
+            if self.hicache is not None:
+                out["hicache_host_bytes"] = self.hicache.host_used
+                if self.hicache.disk is not None:
+                    out["prefix_cache_disk_corrupt_files"] = self.hicache.disk.corrupt
+                    out["hicache_disk_files_written"] = self.hicache.disk.written
+        return out
+
+    def close(self) -> None:
+        """Write back what only memory holds (write_back policy) so the disk tier survives a restart."""
+        if self.hicache is not None:
+            self.hicache.flush()
+
+
+def model_fingerprint(path: Path, config: EngineConfig) -> str:
+    """What cached KV depends on: the model (config + weight files), the KV dtype and the page size."""
+    h = hashlib.sha256()
+    root = path if path.is_dir() else path.parent
+    cfg_file = root / "config.json"
+    if cfg_file.exists():
+        h.update(cfg_file.read_bytes())
+    for f in sorted(root.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    h.update(f"{config.dtype}:{config.page_size}".encode())
+    return h.hexdigest()[:24]

@@ -43,3 +43,7 @@ class LLM:
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
+
+    def close(self) -> None:
+        """Flush the disk tier of the prefix cache (write_back policy); the engine stays usable."""
+        self.engine.close()

@@ -23,9 +23,11 @@ class PagedCacheView:
         write_slots: torch.Tensor,
         history_slots: list[torch.Tensor],
         state_slots: torch.Tensor | None,
+        snapshot_slots: list[list[int]] | None = None,
     ) -> None:
         self.kv, self.states = kv, states
         self.write_slots, self.history_slots, self.state_slots = write_slots, history_slots, state_slots
+        self.snapshot_slots = snapshot_slots
 
     def store_kv(self, layer, latent, rope_key, index_key) -> None:
         self.kv.latent[layer].index_copy_(0, self.write_slots, latent.to(self.kv.latent[layer].dtype))
@@ -66,6 +68,11 @@ class PagedCacheView:
         self.states.conv[layer].index_copy_(0, self.state_slots, conv_state.to(self.states.conv[layer].dtype))
         self.states.recurrent[layer].index_copy_(0, self.state_slots, recurrent_state.float())
 
+    def store_state_snapshot(self, layer, seq, index, conv_state, recurrent_state) -> None:
+        slot = self.snapshot_slots[seq][index]
+        self.states.conv[layer][slot] = conv_state
+        self.states.recurrent[layer][slot] = recurrent_state
+
 
 @dataclass
 class StepLogits:
@@ -105,8 +112,33 @@ class ModelRunner:
             prefix_lens=[c.start for c in plan.chunks],
         )
         state_slots = torch.tensor(slots, dtype=torch.long, device=self.device) if self.states is not None else None
-        batch.cache = PagedCacheView(self.kv, self.states, torch.cat(write), history, state_slots)
+        snapshot_slots = None
+        if any(c.snapshots for c in plan.chunks):
+            batch.state_snapshots = [[m for m, _, _ in c.snapshots] for c in plan.chunks]
+            snapshot_slots = [[slot for _, slot, _ in c.snapshots] for c in plan.chunks]
+        batch.cache = PagedCacheView(self.kv, self.states, torch.cat(write), history, state_slots, snapshot_slots)
         return batch
+
+    # -- CacheIO: the tensor side of the radix cache and HiCache ---------------------------------------
+    def copy_state(self, src: int, dst: int) -> None:
+        self.states.copy(src, dst)
+
+    def gather_pages(self, pages: list[int]) -> torch.Tensor:
+        return self.kv.gather_pages(pages, self.page_size)
+
+    def scatter_pages(self, pages: list[int], packed: torch.Tensor) -> None:
+        self.kv.scatter_pages(pages, self.page_size, packed)
+
+    def gather_state(self, slot: int) -> dict[str, torch.Tensor]:
+        return self.states.gather(slot)
+
+    def scatter_state(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        self.states.scatter(slot, state)
+
+    @property
+    def packed_bytes_per_token(self) -> int:
+        first = next(iter(self.kv.latent.values()))
+        return self.kv.packed_width * first.element_size()
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,15 @@ class Request:
     slot: int | None = None
     computed_len: int = 0
     cached_tokens: int = 0
+    # Prefix cache: pages [0, cache_len) belong to the radix tree and are locked through `cache_node`; the
+    # rest of `pages` are the request's own. `tail_slot` holds the KDA states at token `tail_len` (the last
+    # page boundary reached in decode), committed as a checkpoint when the request finishes.
+    cache_node: Any = None
+    cache_len: int = 0
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    tail_slot: int | None = None
+    tail_len: int = 0
+    num_computed_tokens: int = 0  # tokens this request pushed through the model (prefill + decode)
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None

@@ -2,6 +2,9 @@
 
 Plain Python over integers: FCFS admission, a per-step token budget, chunked prefill mixed with decodes,
 preemption of the newest running request (pages and slot freed, re-queued for recompute) when memory runs out.
+With a radix cache, admission starts a request after its longest cached prefix, and the scheduler decides
+where KDA state checkpoints are taken: at the last page boundary of every prefill chunk, at every
+`state_track_interval` tokens, and (through the request's tail slot) at the last page boundary on finish.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from kestrel.cache.kv_pool import PageAllocator
+from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.engine.sampler import SamplerOutput
@@ -23,6 +27,8 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    # KDA state snapshots taken inside this chunk: (offset m in [1, num_tokens], state slot, committed now?)
+    snapshots: list[tuple[int, int, bool]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -51,8 +57,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         chunked_prefill_size: int,
         eos_token_ids: list[int],
+        cache: RadixCache | None = None,
     ) -> None:
-        self.pages, self.slots = pages, slots
+        self.pages, self.slots, self.cache = pages, slots, cache
         self.max_running = max_running_requests
         self.budget = max_num_batched_tokens
         self.chunk_cap = math.inf if chunked_prefill_size == -1 else chunked_prefill_size
@@ -61,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.capacity_tokens = pages.num_pages * pages.page_size
         self.num_preemptions = 0
+        self.num_computed_tokens = 0  # tokens pushed through the model, all requests, all steps
 
     # -- intake and removal ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -78,14 +86,35 @@ class Scheduler:
         return hit
 
     def _release(self, req: Request) -> None:
-        if req.pages:
+        if self.cache is not None:
+            self.cache.release(req)
+        elif req.pages:
             self.pages.free(req.pages)
             req.pages = []
-        if req.slot is not None and self.slots is not None:
-            self.slots.free(req.slot)
-        req.slot = None
+        for slot in (req.slot, req.tail_slot):
+            if slot is not None and self.slots is not None:
+                self.slots.free(slot)
+        req.slot = req.tail_slot = None
+
+    def _commit_final(self, req: Request) -> None:
+        """Give a leaving request's computed prefix to the cache: up to its tail checkpoint (KDA) or its last
+        full page (attention-only models)."""
+        if self.cache is None:
+            return
+        if self.slots is None:
+            aligned = req.computed_len // self.pages.page_size * self.pages.page_size
+            if aligned > req.cache_len:
+                self.cache.commit(req, aligned)
+        elif req.tail_slot is not None:
+            if req.tail_len > req.cache_len:
+                self.cache.commit(req, req.tail_len, req.tail_slot)
+            else:
+                self.slots.free(req.tail_slot)
+            req.tail_slot = None
 
     def _finish(self, req: Request, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        if status is RequestStatus.FINISHED:
+            self._commit_final(req)
         self._release(req)
         if status is RequestStatus.FINISHED and req.detokenizer is not None and not req.detokenizer.stopped:
             req.output_text += req.detokenizer.flush()
@@ -96,7 +125,11 @@ class Scheduler:
         req.status, req.finish_reason = status, reason
 
     def _preempt(self, req: Request) -> None:
-        """Free everything and queue for recompute of prompt + outputs so far (ahead of newer arrivals)."""
+        """Free everything and queue for recompute of prompt + outputs so far (ahead of newer arrivals).
+
+        With a prefix cache the computed prefix is committed first, so the recompute mostly hits it.
+        """
+        self._commit_final(req)
         self._release(req)
         self.running.remove(req)
         req.computed_len = 0
@@ -106,15 +139,46 @@ class Scheduler:
         index = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(index, req)
 
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        return self.cache.alloc_pages(n) if self.cache is not None else self.pages.alloc(n)
+
+    def _alloc_slot(self) -> int | None:
+        return self.cache.alloc_slot() if self.cache is not None else self.slots.alloc()
+
     def _reserve(self, req: Request, total_tokens: int) -> bool:
         extra = self.pages.pages_for(total_tokens) - len(req.pages)
         if extra <= 0:
             return True
-        got = self.pages.alloc(extra)
+        got = self._alloc_pages(extra)
         if got is None:
             return False
         req.pages.extend(got)
         return True
+
+    def _plan_snapshots(self, chunk: ScheduledChunk) -> None:
+        """Where this chunk leaves KDA checkpoints: interval multiples, its last page boundary if it is a
+        prefill chunk, and in decode the tail slot at each page boundary."""
+        req, start = chunk.request, chunk.start
+        end = start + chunk.num_tokens
+        ps, interval = self.pages.page_size, self.cache.track_interval
+        commit = set(range((start // interval + 1) * interval, end + 1, interval))
+        if chunk.num_tokens > 1 or start < len(req.prompt_ids):
+            last = end // ps * ps
+            if last > max(start, req.cache_len):
+                commit.add(last)
+            # A match always leaves the last prompt token to compute, so a prompt ending on a page boundary
+            # is only reusable as a whole (the same prompt again) through the checkpoint one page earlier.
+            if chunk.samples and last == end and last - ps > max(start, req.cache_len):
+                commit.add(last - ps)
+        for pos in sorted(commit):
+            slot = self._alloc_slot()
+            if slot is not None:
+                chunk.snapshots.append((pos - start, slot, True))
+        if chunk.num_tokens == 1 and end % ps == 0 and end not in commit and end > req.cache_len:
+            if req.tail_slot is None:
+                req.tail_slot = self._alloc_slot()
+            if req.tail_slot is not None:
+                chunk.snapshots.append((1, req.tail_slot, False))
 
     # -- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
@@ -135,40 +199,61 @@ class Scheduler:
                 budget -= n
         if plan.preempted:
             plan.chunks = [c for c in plan.chunks if c.request in self.running]
+            self._finalize(plan)
             return plan
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            need = req.num_tokens
-            if need > self.capacity_tokens:
+            if req.num_tokens > self.capacity_tokens:
                 self.waiting.popleft()
-                req.error = f"request needs {need} tokens of KV cache but the pool holds {self.capacity_tokens}"
+                req.error = (
+                    f"request needs {req.num_tokens} tokens of KV cache but the pool holds {self.capacity_tokens}"
+                )
                 self._finish(req, "abort", RequestStatus.ABORTED)
                 plan.rejected.append(req)
                 continue
-            n = min(need, self.chunk_cap, budget)
-            if n < need and self.chunk_cap == math.inf:
-                if plan.chunks:
-                    break
-                n = need  # chunking off: a lone prompt may exceed the step budget
-            if n <= 0:
+            if budget <= 0:
                 break
             slot = None
             if self.slots is not None:
-                slot = self.slots.alloc()
+                slot = self._alloc_slot()
                 if slot is None:
                     break
-            if not self._reserve(req, n):
-                if slot is not None:
-                    self.slots.free(slot)
+            req.slot = slot
+            if self.cache is not None and not self.cache.acquire(req, self.cache.match(req.all_ids)):
+                self._unadmit(req)
+                break
+            need = req.num_tokens - req.computed_len
+            n = min(need, self.chunk_cap, budget)
+            if n < need and self.chunk_cap == math.inf:
+                if plan.chunks:
+                    self._unadmit(req)
+                    break
+                n = need  # chunking off: a lone prompt may exceed the step budget
+            if not self._reserve(req, req.computed_len + n):
+                self._unadmit(req)
                 break
             self.waiting.popleft()
-            req.slot, req.status = slot, RequestStatus.RUNNING
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if slot is not None:
+            if slot is not None and req.computed_len == 0:
                 plan.fresh_slots.append(slot)
-            plan.chunks.append(ScheduledChunk(req, 0, n))
+            plan.chunks.append(ScheduledChunk(req, req.computed_len, n))
             budget -= n
+        self._finalize(plan)
         return plan
+
+    def _unadmit(self, req: Request) -> None:
+        """Undo a partial admission (prefix lock, pages, slot): the request stays first in the queue."""
+        self._release(req)
+        req.computed_len = req.cached_tokens = 0
+        req.cache_hits = {}
+
+    def _finalize(self, plan: SchedulePlan) -> None:
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            self.num_computed_tokens += chunk.num_tokens
+            if self.cache is not None and self.slots is not None:
+                self._plan_snapshots(chunk)
 
     def update(self, plan: SchedulePlan, sampled: SamplerOutput) -> list[Request]:
         """Advance computed lengths, append sampled tokens, apply stop rules. Returns requests finished now."""
@@ -177,6 +262,7 @@ class Scheduler:
         for chunk in plan.chunks:
             req = chunk.request
             req.computed_len = chunk.start + chunk.num_tokens
+            self._cache_chunk(chunk)
             if not chunk.samples:
                 continue
             token = sampled.token_ids[sample_i]
@@ -190,6 +276,21 @@ class Scheduler:
                 self._finish(req, reason)
                 finished.append(req)
         return finished
+
+    def _cache_chunk(self, chunk: ScheduledChunk) -> None:
+        """After a step: commit the chunk's checkpoints (or, without KDA, its full pages) to the cache."""
+        if self.cache is None:
+            return
+        req = chunk.request
+        for offset, slot, commit in chunk.snapshots:
+            if commit:
+                self.cache.commit(req, chunk.start + offset, slot)
+            else:
+                req.tail_len = chunk.start + offset
+        if self.slots is None and chunk.num_tokens > 1:
+            aligned = req.computed_len // self.pages.page_size * self.pages.page_size
+            if aligned > req.cache_len:
+                self.cache.commit(req, aligned)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.params

@@ -39,6 +39,11 @@ class ModelCache(Protocol):
     def store_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         """Save the states after the batch's last token of each sequence."""
 
+    def store_state_snapshot(
+        self, layer: int, seq: int, index: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> None:
+        """Save sequence `seq`'s states after its `state_snapshots[seq][index]`-th new token (prefix cache)."""
+
 
 @dataclass
 class ForwardBatch:
@@ -53,6 +58,9 @@ class ForwardBatch:
     forced_experts: dict[int, torch.Tensor] | None = None
     # Filled by MoE layers when set to a dict: layer -> [T, top_k] expert ids actually used.
     routed_experts: dict[int, torch.Tensor] | None = None
+    # Prefix-cache checkpoints: per sequence, sorted offsets m in [1, extend_len] after whose m-th new token the
+    # KDA layers also hand their states to `cache.store_state_snapshot` (None or [] = none).
+    state_snapshots: list[list[int]] | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -29,6 +29,22 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("kestrel_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("kestrel_generation_tokens", "Generated tokens", registry=r)
+        self.cache_queried = Gauge(
+            "kestrel_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.cache_hits = Gauge(
+            "kestrel_prefix_cache_hit_tokens",
+            "Prompt tokens reused from the prefix cache, by tier",
+            ["tier"],
+            registry=r,
+        )
+        self.cache_pages = Gauge("kestrel_prefix_cache_pages", "Device KV pages held by the prefix cache", registry=r)
+        self.cache_checkpoints = Gauge(
+            "kestrel_prefix_cache_checkpoints", "KDA state checkpoints held on the device", registry=r
+        )
+        self.cache_evicted = Gauge(
+            "kestrel_prefix_cache_evicted_pages", "Device KV pages evicted from the prefix cache", registry=r
+        )
         self.finished = Counter(
             "kestrel_requests_finished", "Finished sequences by reason", ["finish_reason"], registry=r
         )
@@ -39,6 +55,13 @@ class ServerMetrics:
         self.kv_pages_used.set(stats["pages_used"])
         self.kv_pages_total.set(stats["pages_total"])
         self.state_slots_used.set(stats["slots_used"])
+        if "prefix_cache_hit_tokens" in stats:
+            self.cache_queried.set(stats["prefix_cache_queried_tokens"])
+            for tier in ("device", "host", "disk"):
+                self.cache_hits.labels(tier=tier).set(stats[f"prefix_cache_{tier}_hit_tokens"])
+            self.cache_pages.set(stats["prefix_cache_pages"])
+            self.cache_checkpoints.set(stats["prefix_cache_checkpoints"])
+            self.cache_evicted.set(stats["prefix_cache_evicted_pages"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

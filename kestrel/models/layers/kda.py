@@ -59,22 +59,29 @@ class KDAAttention(nn.Module):
             return self.gate_lower_bound * torch.sigmoid(decay * g)
         return -decay * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
 
-    def short_conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor):
-        """Causal depthwise conv + SiLU per sequence, continuing from each sequence's last kernel-1 inputs."""
+    def short_conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, snaps=None):
+        """Causal depthwise conv + SiLU per sequence, continuing from each sequence's last kernel-1 inputs.
+
+        Also returns, per sequence, the conv state after each offset in `snaps[seq]` (prefix-cache snapshots).
+        """
         weight = self.conv1d.weight.squeeze(1)  # [3C, kernel]
         keep = self.kernel - 1
         if batch.is_decode:
             window = torch.cat([conv_state, mixed.to(conv_state.dtype)[:, :, None]], dim=-1)  # [B, 3C, kernel]
             out = (window * weight[None]).sum(-1)
-            return F.silu(out), window[:, :, -keep:]
-        outs, states = [], []
+            final = window[:, :, -keep:]
+            at = [[final[seq]] * len(snaps[seq]) for seq in range(batch.num_seqs)] if snaps else None
+            return F.silu(out), final, at
+        outs, states, at = [], [], []
         for seq in range(batch.num_seqs):
             xi = mixed[batch.seq_slice(seq)].t()  # [3C, n]
             full = torch.cat([conv_state[seq].to(xi.dtype), xi], dim=-1)
             out = F.conv1d(full[None], weight[:, None, :], groups=self.conv_dim)[0]  # [3C, n]
             outs.append(out.t())
             states.append(full[:, -keep:])
-        return F.silu(torch.cat(outs, dim=0)), torch.stack(states)
+            # The inputs before offset m sit at full[:, m : m + keep] (full starts with the keep old ones).
+            at.append([full[:, m : m + keep] for m in snaps[seq]] if snaps else [])
+        return F.silu(torch.cat(outs, dim=0)), torch.stack(states), at if snaps else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -86,27 +93,43 @@ class KDAAttention(nn.Module):
             conv_state, rec_state = cache.load_state(self.layer_id)
         else:
             conv_state, rec_state = self.empty_state(batch.num_seqs, x.device)
-        mixed, conv_state = self.short_conv(mixed, batch, conv_state)
+        snaps = batch.state_snapshots if cache is not None else None
+        mixed, conv_state, conv_at = self.short_conv(mixed, batch, conv_state, snaps)
         q, k, v = (y.reshape(t, self.n_heads, self.head_dim) for y in mixed.split(self.conv_dim // 3, dim=-1))
         q = l2_normalize(q.float()) * self.head_dim**-0.5
         k = l2_normalize(k.float())
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
+        rec_at: list[list[torch.Tensor]] = [[] for _ in range(batch.num_seqs)]
         if batch.is_decode:
             o, rec_state = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], rec_state)
             o = o[:, 0]
+            if snaps:
+                rec_at = [[rec_state[seq]] * len(snaps[seq]) for seq in range(batch.num_seqs)]
         else:
             outs, states = [], []
             for seq in range(batch.num_seqs):
                 sl = batch.seq_slice(seq)
-                oi, si = kda_chunked(
-                    q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl], rec_state[seq : seq + 1]
-                )
-                outs.append(oi[0])
-                states.append(si[0])
+                state = rec_state[seq : seq + 1]
+                # Snapshot offsets split the chunk into segments; each segment continues from the last state.
+                lo = 0
+                for hi in [*(snaps[seq] if snaps else []), batch.extend_lens[seq]]:
+                    if hi > lo:
+                        part = slice(sl.start + lo, sl.start + hi)
+                        oi, state = kda_chunked(
+                            q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part], state
+                        )
+                        outs.append(oi[0])
+                        lo = hi
+                    rec_at[seq].append(state[0])
+                rec_at[seq].pop()  # the state after the whole chunk is the request's own, not a snapshot
+                states.append(state[0])
             o, rec_state = torch.cat(outs, dim=0), torch.stack(states)
         if cache is not None:
             cache.store_state(self.layer_id, conv_state, rec_state)
+            for seq, offsets in enumerate(snaps or []):
+                for j in range(len(offsets)):
+                    cache.store_state_snapshot(self.layer_id, seq, j, conv_at[seq][j], rec_at[seq][j])
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o.to(x.dtype), gate.view(t, self.n_heads, self.head_dim))
         return self.o_proj(o.reshape(t, -1))

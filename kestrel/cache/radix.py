@@ -1,0 +1,466 @@
+"""Radix prefix cache for hybrid models: KV pages of MLA/DSA layers plus KDA state checkpoints.
+
+The tree is keyed by token ids at page granularity: every edge holds whole pages. A node owns the device pages
+of its edge (MLA latents, rope keys and DSA index keys of every full-attention layer, one page table for all)
+and may own a *checkpoint*: a state-pool slot holding the conv + recurrent state of every KDA layer after the
+node's last token. KV can be reused page by page, but a KDA layer can only resume from a saved state, so a
+match ends at the deepest matched node that has a checkpoint (any matched node for models without KDA).
+
+Running requests lock their path (lock counts run up to the root); eviction frees LRU unlocked leaves, and
+checkpoints are evicted on their own when the state pool runs dry. With a `HiCache` attached, evicted pages
+and checkpoints move to host memory / disk instead of being dropped, and a match continues into those tiers.
+Everything here is plain Python over integers; tensor traffic goes through `CacheIO`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kestrel.cache.kv_pool import PageAllocator
+from kestrel.cache.state_pool import SlotAllocator
+
+if TYPE_CHECKING:
+    from kestrel.cache.hicache import DiskHit, HiCache, HostCopy
+    from kestrel.engine.request import Request
+
+
+class CacheIO(Protocol):
+    """The tensor side of the cache (the model runner's pools)."""
+
+    def copy_state(self, src: int, dst: int) -> None: ...
+    def gather_pages(self, pages: list[int]) -> torch.Tensor: ...
+    def scatter_pages(self, pages: list[int], packed: torch.Tensor) -> None: ...
+    def gather_state(self, slot: int) -> dict[str, torch.Tensor]: ...
+    def scatter_state(self, slot: int, state: dict[str, torch.Tensor]) -> None: ...
+
+    @property
+    def packed_bytes_per_token(self) -> int: ...
+
+
+def chain_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """Key of a page given the key of the page before it: a hash of the whole token prefix (disk tier)."""
+    return hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=20).digest()
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: tuple[int, ...]  # the edge's tokens, a whole number of pages
+    parent: RadixNode | None
+    depth: int  # tokens from the root through the end of this edge
+    pages: list[int] | None  # device pages; None once evicted to a lower tier
+    hashes: list[bytes]  # chain hash of each page (disk keys)
+    checkpoint: int | None = None  # device state slot: the KDA states after this node's last token
+    host: HostCopy | None = None  # L2 copy of the pages (and maybe of the checkpoint)
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+    hits: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def on_device(self) -> bool:
+        return self.pages is not None
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint is not None or (self.host is not None and self.host.state is not None)
+
+    def path(self) -> list[RadixNode]:
+        """Root's child → self."""
+        out, node = [], self
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+
+@dataclass
+class PrefixMatch:
+    """The reusable prefix of a prompt: `node` ends at `length` tokens (a checkpoint there, if KDA)."""
+
+    node: RadixNode
+    length: int
+    disk: DiskHit | None = None  # a continuation found only on disk (pages + the state at its end)
+
+
+@dataclass
+class CacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    evicted_pages: int = 0
+    evicted_checkpoints: int = 0
+    checkpoints_taken: int = 0
+    disk_corrupt_files: int = 0
+
+
+class RadixCache:
+    def __init__(
+        self,
+        pages: PageAllocator,
+        slots: SlotAllocator | None,
+        io: CacheIO,
+        track_interval: int,
+        max_states_per_path: int = -1,
+        hicache: HiCache | None = None,
+        namespace: bytes = b"kestrel",
+    ) -> None:
+        self.allocator, self.slots, self.io = pages, slots, io
+        self.page_size = pages.page_size
+        if track_interval % self.page_size:
+            raise ValueError(f"state_track_interval {track_interval} must be a multiple of page_size {self.page_size}")
+        self.track_interval = track_interval
+        self.max_states_per_path = max_states_per_path
+        self.has_state = slots is not None
+        self.hicache = hicache
+        self.root_hash = hashlib.blake2b(namespace, digest_size=20).digest()
+        self.root = RadixNode((), None, 0, [], [])
+        self.root.lock_ref = 1  # never evicted
+        self._clock = itertools.count(1)
+        self.stats = CacheStats()
+        if hicache is not None:
+            hicache.attach(self)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _tick(self, node: RadixNode) -> None:
+        node.last_access = next(self._clock)
+
+    def _page(self, ids: list[int] | tuple[int, ...], i: int) -> tuple[int, ...]:
+        return tuple(ids[i * self.page_size : (i + 1) * self.page_size])
+
+    def _last_hash(self, node: RadixNode) -> bytes:
+        return node.hashes[-1] if node.hashes else self.root_hash
+
+    def _matched_pages(self, node: RadixNode, ids, start_page: int, max_pages: int) -> int:
+        n = 0
+        while n < node.num_pages and start_page + n < max_pages:
+            if self._page(node.key, n) != self._page(ids, start_page + n):
+                break
+            n += 1
+        return n
+
+    def _split(self, node: RadixNode, n_pages: int) -> RadixNode:
+        """Cut `node` after n_pages; returns the new upper part. `node` keeps its end (and checkpoint)."""
+        ps = self.page_size
+        upper = RadixNode(
+            node.key[: n_pages * ps],
+            node.parent,
+            node.depth - len(node.key) + n_pages * ps,
+            node.pages[:n_pages] if node.pages is not None else None,
+            node.hashes[:n_pages],
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+            hits=node.hits,
+        )
+        if node.host is not None:
+            upper.host, node.host = node.host.split(n_pages)
+        node.parent.children[upper.key[:ps]] = upper
+        node.key = node.key[n_pages * ps :]
+        node.pages = node.pages[n_pages:] if node.pages is not None else None
+        node.hashes = node.hashes[n_pages:]
+        node.parent = upper
+        upper.children[node.key[:ps]] = node
+        return upper
+
+    def _new_child(self, parent: RadixNode, key: tuple[int, ...], pages: list[int] | None) -> RadixNode:
+        hashes, h = [], self._last_hash(parent)
+        for i in range(len(key) // self.page_size):
+            h = chain_hash(h, self._page(key, i))
+            hashes.append(h)
+        node = RadixNode(key, parent, parent.depth + len(key), pages, hashes)
+        parent.children[key[: self.page_size]] = node
+        self._tick(node)
+        return node
+
+    def lock(self, node: RadixNode) -> None:
+        while node is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not None:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix lock underflow"
+            node = node.parent
+
+    # -- matching --------------------------------------------------------------------------------------
+    def match(self, ids: list[int]) -> PrefixMatch:
+        """Deepest reusable prefix of ids[:-1] (at least one token is always left to compute)."""
+        max_pages = (len(ids) - 1) // self.page_size
+        node, i = self.root, 0
+        best = PrefixMatch(self.root, 0)
+        while i < max_pages:
+            child = node.children.get(self._page(ids, i))
+            if child is None:
+                break
+            m = self._matched_pages(child, ids, i, max_pages)
+            if m < child.num_pages:
+                child = self._split(child, m)
+            node, i = child, i + m
+            self._tick(node)
+            if node.has_checkpoint or not self.has_state:
+                best = PrefixMatch(node, node.depth)
+        if self.hicache is not None and i < max_pages:
+            hit = self.hicache.probe_disk(self._last_hash(node), ids, i, max_pages, self.has_state)
+            if hit is not None and hit.length > best.length:
+                best = PrefixMatch(node, node.depth, hit)
+        return best
+
+    def acquire(self, req: Request, match: PrefixMatch) -> bool:
+        """Bring the matched prefix onto the device, lock it, and seed req's pages and KDA slot from it.
+
+        Host-tier and disk-tier parts are loaded into fresh device pages first. Returns False (and changes
+        nothing the request can see) when the device has no room for them even after eviction.
+        """
+        self.stats.queried_tokens += len(req.prompt_ids)
+        node = match.node
+        self.lock(node)
+        from_host: set[int] = set()
+        for step in node.path():
+            if not step.on_device:
+                got = self.alloc_pages(step.num_pages)
+                if got is None:
+                    self.unlock(node)
+                    self.stats.queried_tokens -= len(req.prompt_ids)
+                    return False
+                self.hicache.load_host(step, got)
+                from_host.add(id(step))
+        disk_state = None
+        if match.disk is not None:
+            disk_node, disk_state = self._load_disk(node, req.all_ids, match.disk)
+            if disk_node is not None:
+                self.lock(disk_node)
+                self.unlock(node)
+                node = disk_node
+        if self.has_state and disk_state is None:
+            # A checkpoint may have been evicted while room was made: fall back to the deepest one left.
+            target = node
+            while target is not self.root and not target.has_checkpoint:
+                target = target.parent
+            if target is not node:
+                self.lock(target)
+                self.unlock(node)
+                node = target
+        length = node.depth
+        path = node.path()
+        req.pages = [p for step in path for p in step.pages]
+        req.cache_node, req.cache_len = node, length
+        req.computed_len = req.cached_tokens = length
+        if self.has_state and req.slot is not None and length:
+            if disk_state is not None and node.checkpoint is None:
+                self.io.scatter_state(req.slot, disk_state)
+            elif node.checkpoint is not None:
+                self.io.copy_state(node.checkpoint, req.slot)
+            else:
+                self.io.scatter_state(req.slot, node.host.state)
+        disk_tokens = length - match.node.depth if match.disk is not None and length > match.node.depth else 0
+        host_tokens = sum(len(step.key) for step in path if id(step) in from_host)
+        for step in path:
+            step.hits += 1
+            self._tick(step)
+            if self.hicache is not None:
+                self.hicache.on_hit(step)
+        self.stats.hit_tokens += length
+        self.stats.disk_hit_tokens += disk_tokens
+        self.stats.host_hit_tokens += host_tokens
+        self.stats.device_hit_tokens += length - disk_tokens - host_tokens
+        req.cache_hits = {"device": length - disk_tokens - host_tokens, "host": host_tokens, "disk": disk_tokens}
+        return True
+
+    def _load_disk(self, node: RadixNode, ids: list[int], hit: DiskHit):
+        """Read, verify and insert a disk continuation under `node`: (new node, its state) or (None, None).
+
+        The state also goes into a checkpoint slot when one is free; it is returned so the caller can seed the
+        request's slot either way.
+        """
+        pages_data, state = self.hicache.read_disk(hit)
+        n = len(pages_data)
+        if n == 0:
+            return None, None
+        got = self.alloc_pages(n)
+        if got is None:
+            return None, None
+        self.io.scatter_pages(got, torch.stack(pages_data))
+        key = tuple(ids[node.depth : node.depth + n * self.page_size])
+        new = self._new_child(node, key, got)
+        if state is not None:
+            slot = self.alloc_slot()
+            if slot is not None:
+                self.io.scatter_state(slot, state)
+                new.checkpoint = slot
+        return new, state
+
+    # -- inserting -------------------------------------------------------------------------------------
+    def commit(self, req: Request, length: int, checkpoint: int | None = None) -> None:
+        """Hand req's first `length` tokens (page-aligned, computed) to the tree; attach a checkpoint there.
+
+        Pages the tree already holds replace the request's duplicates (freed); the request then locks the
+        deepest node it reached. A checkpoint slot is owned by the tree afterwards (or freed if redundant).
+        """
+        ps = self.page_size
+        assert length % ps == 0 and length <= req.computed_len
+        ids = req.all_ids
+        node, i, n_pages = self.root, 0, length // ps
+        owned_from = req.cache_len // ps  # request-owned pages start here
+        while i < n_pages:
+            child = node.children.get(self._page(ids, i))
+            if child is None:
+                node = self._new_child(node, tuple(ids[i * ps : length]), req.pages[i:n_pages])
+                if self.hicache is not None:
+                    self.hicache.on_insert(node)
+                i = n_pages
+                break
+            m = self._matched_pages(child, ids, i, n_pages)
+            if m < child.num_pages:
+                child = self._split(child, m)
+            if child.pages is None:  # only on a lower tier: adopt the request's fresh pages
+                child.pages = req.pages[i : i + m]
+            else:
+                for j in range(m):
+                    if req.pages[i + j] != child.pages[j]:
+                        assert i + j >= owned_from, "a locked prefix page differs from the tree's"
+                        self.allocator.free([req.pages[i + j]])
+                        req.pages[i + j] = child.pages[j]
+            node, i = child, i + m
+            self._tick(node)
+        if checkpoint is not None:
+            self._attach_checkpoint(node, checkpoint)
+        if length > req.cache_len:
+            self.lock(node)
+            if req.cache_node is not None:
+                self.unlock(req.cache_node)
+            req.cache_node, req.cache_len = node, length
+
+    def _attach_checkpoint(self, node: RadixNode, slot: int) -> None:
+        if node is self.root or node.checkpoint is not None:
+            self.slots.free(slot)
+            return
+        node.checkpoint = slot
+        self.stats.checkpoints_taken += 1
+        if self.hicache is not None:
+            self.hicache.on_checkpoint(node)
+        if self.max_states_per_path >= 0:
+            holders = [n for n in node.path() if n.has_checkpoint]
+            for victim in holders[: max(0, len(holders) - self.max_states_per_path)]:
+                self._drop_checkpoint(victim)
+
+    def _drop_checkpoint(self, node: RadixNode) -> None:
+        if node.checkpoint is not None:
+            self.slots.free(node.checkpoint)
+            node.checkpoint = None
+        if node.host is not None and node.host.state is not None:
+            self.hicache.drop_host_state(node)
+
+    def release(self, req: Request) -> None:
+        """The request leaves (finished, preempted or aborted): unlock, free what the tree does not own."""
+        if req.cache_node is not None:
+            self.unlock(req.cache_node)
+        own = req.pages[req.cache_len // self.page_size :]
+        if own:
+            self.allocator.free(own)
+        req.pages, req.cache_node, req.cache_len = [], None, 0
+
+    # -- allocation with eviction ----------------------------------------------------------------------
+    def alloc_pages(self, n: int) -> list[int] | None:
+        got = self.allocator.alloc(n)
+        if got is None:
+            self.evict_pages(n - self.allocator.num_free)
+            got = self.allocator.alloc(n)
+        return got
+
+    def alloc_slot(self) -> int | None:
+        if self.slots is None:
+            return None
+        slot = self.slots.alloc()
+        if slot is None and self.evict_checkpoints(1):
+            slot = self.slots.alloc()
+        return slot
+
+    def evict_pages(self, n: int) -> int:
+        """Free at least n device pages from LRU unlocked leaves (moved down a tier when one exists)."""
+        heap = [(x.last_access, id(x), x) for x in self._nodes() if self._device_leaf(x)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._device_leaf(node):
+                continue
+            freed += node.num_pages
+            self.stats.evicted_pages += node.num_pages
+            kept = self.hicache is not None and self.hicache.save_for_eviction(node)
+            self.allocator.free(node.pages)
+            node.pages = None
+            if node.checkpoint is not None:
+                self.slots.free(node.checkpoint)
+                node.checkpoint = None
+            parent = node.parent
+            if not kept:
+                self.remove(node)
+            if parent is not self.root and self._device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def evict_checkpoints(self, n: int) -> int:
+        """Free n device state slots held by checkpoints, unlocked LRU first (moved to host when possible)."""
+        holders = sorted(
+            (x for x in self._nodes() if x.checkpoint is not None), key=lambda x: (x.lock_ref > 0, x.last_access)
+        )
+        for node in holders[:n]:
+            if self.hicache is not None:
+                self.hicache.save_state_for_eviction(node)
+            self.slots.free(node.checkpoint)
+            node.checkpoint = None
+            self.stats.evicted_checkpoints += 1
+        return min(n, len(holders))
+
+    def remove(self, node: RadixNode) -> None:
+        """Delete a node and its subtree (none of it on the device), dropping lower-tier copies."""
+        for child in list(node.children.values()):
+            self.remove(child)
+        assert node.lock_ref == 0 and node.pages is None, "removing a locked or device-resident node"
+        if node.host is not None:
+            self.hicache.drop_host(node)
+        del node.parent.children[node.key[: self.page_size]]
+
+    def _device_leaf(self, node: RadixNode) -> bool:
+        return (
+            node is not self.root
+            and node.on_device
+            and node.lock_ref == 0
+            and not any(c.on_device for c in node.children.values())
+        )
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def device_pages(self) -> int:
+        return sum(x.num_pages for x in self._nodes() if x.on_device)
+
+    def device_checkpoints(self) -> int:
+        return sum(1 for x in self._nodes() if x.checkpoint is not None)
+
+    def evictable_pages(self) -> int:
+        return sum(x.num_pages for x in self._nodes() if x.on_device and x.lock_ref == 0)
+
+    def clear(self) -> None:
+        """Drop every unlocked node from every tier held in memory (disk files stay)."""
+        self.evict_pages(self.device_pages())
+        for node in list(self.root.children.values()):
+            if node.lock_ref == 0 and not node.on_device:
+                self.remove(node)

@@ -1,0 +1,161 @@
+"""Prefix caching end to end: cache on == cache off, computed-token counters, eviction, HiCache L2 and L3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+
+FAMILIES = ["kimi_linear", "deepseek_v32", "kimi_k3"]
+PAGE = 16
+
+
+def _tokens(n: int, seed: int, vocab: int = 250) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _converse(llm: LLM, sessions: int, turns: int, new_tokens, out_tokens: int, seed: int = 0):
+    """Every turn extends each session's history by its last output and new user tokens; all sessions batched.
+
+    Returns per turn the (prompt, output ids, cached tokens, computed prefill tokens) of each session.
+    """
+    histories: list[list[int]] = [[] for _ in range(sessions)]
+    record = []
+    for turn in range(turns):
+        for s in range(sessions):
+            histories[s] = histories[s] + _tokens(new_tokens(turn), seed=seed + 1000 * s + turn)
+        before = llm.engine.scheduler.num_computed_tokens
+        outs = llm.generate([list(h) for h in histories], _greedy(out_tokens), use_tqdm=False)
+        computed = llm.engine.scheduler.num_computed_tokens - before
+        rows = []
+        for s, out in enumerate(outs):
+            comp = out.outputs[0]
+            rows.append((list(histories[s]), comp.token_ids, comp.cached_tokens))
+            histories[s] = histories[s] + comp.token_ids
+        # decode steps forward out_tokens - 1 tokens per session; the rest is prefill
+        record.append((rows, computed - sessions * (out_tokens - 1)))
+    return record
+
+
+def _assert_idle_and_clear(llm: LLM) -> None:
+    engine = llm.engine
+    stats = engine.stats()
+    assert stats["pages_used"] == 0 and stats["slots_used"] == 0 and stats["running"] == 0
+    engine.cache.clear()
+    assert engine.pages.num_used == 0 and (engine.slots is None or engine.slots.num_used == 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multi_turn_outputs_equal_cache_off(family, tiny_checkpoints):
+    args = dict(max_total_tokens=4096, page_size=PAGE, chunked_prefill_size=48, state_track_interval=32)
+    on = LLM(str(tiny_checkpoints[family]), **args)
+    off = LLM(str(tiny_checkpoints[family]), enable_prefix_caching=False, **args)
+    assert on.engine.cache is not None and off.engine.cache is None
+    rec_on = _converse(on, sessions=2, turns=4, new_tokens=lambda t: 37 if t == 0 else 21, out_tokens=7)
+    rec_off = _converse(off, sessions=2, turns=4, new_tokens=lambda t: 37 if t == 0 else 21, out_tokens=7)
+    for turn, ((rows_on, computed_on), (rows_off, computed_off)) in enumerate(zip(rec_on, rec_off)):
+        for (p_on, out_on, cached_on), (p_off, out_off, cached_off) in zip(rows_on, rows_off):
+            assert p_on == p_off and out_on == out_off, f"turn {turn}: cached run diverged"
+            assert cached_off == 0
+            if turn > 0:
+                assert cached_on > 0
+        if turn > 0:
+            assert computed_on < computed_off
+    _assert_idle_and_clear(on)
+
+
+def test_ten_turn_agent_computes_only_new_tokens(tiny_checkpoints):
+    interval = 64
+    llm = LLM(
+        str(tiny_checkpoints["kimi_k3"]),
+        max_total_tokens=8192,
+        page_size=PAGE,
+        chunked_prefill_size=128,
+        state_track_interval=interval,
+    )
+    new = lambda t: 150 if t == 0 else 24 + 7 * t  # noqa: E731
+    record = _converse(llm, sessions=1, turns=10, new_tokens=new, out_tokens=13)
+    for turn, (rows, computed) in enumerate(record):
+        (prompt, _, cached) = rows[0]
+        assert computed == len(prompt) - cached
+        if turn == 0:
+            assert cached == 0
+            continue
+        assert computed <= new(turn) + interval, f"turn {turn}: {computed} tokens computed for {new(turn)} new"
+        # The finish-time checkpoint sits at the last page boundary, so at most a page more than the new part.
+        assert computed <= new(turn) + PAGE
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_checkpoints_taken"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    _assert_idle_and_clear(llm)
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "deepseek_v32"])
+def test_small_pool_evicts_and_stays_exact(family, tiny_checkpoints):
+    args = dict(page_size=PAGE, chunked_prefill_size=64, state_track_interval=32, max_running_requests=4)
+    small = LLM(str(tiny_checkpoints[family]), max_total_tokens=320, **args)
+    off = LLM(str(tiny_checkpoints[family]), max_total_tokens=4096, enable_prefix_caching=False, **args)
+    rec = _converse(small, sessions=3, turns=3, new_tokens=lambda t: 40, out_tokens=6, seed=7)
+    ref = _converse(off, sessions=3, turns=3, new_tokens=lambda t: 40, out_tokens=6, seed=7)
+    for (rows, _), (ref_rows, _) in zip(rec, ref):
+        assert [r[1] for r in rows] == [r[1] for r in ref_rows]
+    assert small.engine.stats()["prefix_cache_evicted_pages"] > 0
+    _assert_idle_and_clear(small)
+
+
+def test_hicache_host_tier_serves_evicted_prefixes(tiny_checkpoints):
+    path = str(tiny_checkpoints["kimi_k3"])
+    args = dict(page_size=PAGE, chunked_prefill_size=64, state_track_interval=32, max_running_requests=2)
+    hi = LLM(path, max_total_tokens=256, hicache_size=0.05, hicache_write_policy="write_back", **args)
+    off = LLM(path, max_total_tokens=4096, enable_prefix_caching=False, **args)
+    # Two sessions take turns, one at a time: each turn of one evicts the other from the device pool.
+    histories = {0: _tokens(120, 1), 1: _tokens(120, 2)}
+    for _ in range(3):
+        for s in (0, 1):
+            out = hi.generate([histories[s]], _greedy(5), use_tqdm=False)[0].outputs[0]
+            ref = off.generate([histories[s]], _greedy(5), use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == ref.token_ids
+            histories[s] = histories[s] + out.token_ids + _tokens(20, 10 + s)
+    stats = hi.engine.stats()
+    assert stats["prefix_cache_evicted_pages"] > 0
+    assert stats["prefix_cache_host_hit_tokens"] > 0 and stats["hicache_host_bytes"] > 0
+    _assert_idle_and_clear(hi)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_disk_tier_survives_restart_and_skips_corrupt_files(policy, tiny_checkpoints, tmp_path):
+    path = str(tiny_checkpoints["kimi_k3"])
+    args = dict(page_size=PAGE, chunked_prefill_size=64, state_track_interval=32)
+    prompt = _tokens(150, 5)
+    off = LLM(path, max_total_tokens=4096, enable_prefix_caching=False, **args)
+    expected = off.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+
+    first = LLM(path, max_total_tokens=4096, hicache_storage_dir=str(tmp_path), hicache_write_policy=policy, **args)
+    first.generate([prompt], _greedy(6), use_tqdm=False)
+    first.engine.close()  # write_back flushes here
+    assert list(tmp_path.rglob("*.page")) and list(tmp_path.rglob("*.state"))
+
+    second = LLM(path, max_total_tokens=4096, hicache_storage_dir=str(tmp_path), **args)
+    out = second.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    assert out.cached_tokens >= 128 and second.engine.stats()["prefix_cache_disk_hit_tokens"] == out.cached_tokens
+
+    # Damage the files: one truncated page, one flipped byte in a state. A fresh engine must notice, skip
+    # them (recomputing from the last good checkpoint, if any) and still answer exactly.
+    pages = sorted(tmp_path.rglob("*.page"))
+    states = sorted(tmp_path.rglob("*.state"))
+    pages[len(pages) // 2].write_bytes(pages[len(pages) // 2].read_bytes()[:100])
+    for state in states:
+        blob = bytearray(state.read_bytes())
+        blob[-5] ^= 0x5A
+        state.write_bytes(bytes(blob))
+    third = LLM(path, max_total_tokens=4096, hicache_storage_dir=str(tmp_path), **args)
+    out = third.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    assert third.engine.stats()["prefix_cache_disk_corrupt_files"] >= 1
+    assert out.cached_tokens == 0  # every checkpoint was damaged: nothing may be reused
