@@ -35,20 +35,24 @@ class Indexer(nn.Module):
     def queries(
         self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index queries [T, H, D] and per-head weights [T, H] (fp32, already scaled by H^-1/2)."""
+        """Index queries [T, H, D] and per-head weights [T, H] (fp32, already scaled by (H·D)^-1/2)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
         q = self._rotate(q, cos, sin)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        # Both scales fold into the weights: ReLU is positively homogeneous, so w·ReLU(c·s) = (c·w)·ReLU(s)
+        # and the [H, L] score tensor never takes an extra pass.
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads * self.head_dim) ** -0.5
         return q, w
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Index scores [n, L] of n queries against L cached keys (fp32, no causal mask)."""
-        s = torch.einsum("nhd,ld->nhl", q.float(), keys.float()) * self.head_dim**-0.5
+        s = torch.einsum("nhd,ld->nhl", q.float(), keys.float())
         return torch.einsum("nh,nhl->nl", w, torch.relu(s))
 
     def scores_padded(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Decode form: one query per sequence [B, H, D] against padded keys [B, L, D] → [B, L]."""
-        s = torch.einsum("bhd,bld->bhl", q.float(), keys.float()) * self.head_dim**-0.5
+        s = torch.einsum("bhd,bld->bhl", q.float(), keys.float())
+        if not torch.is_grad_enabled():
+            return torch.einsum("bh,bhl->bl", w, s.relu_())  # inference: no copy of the [B, H, L] scores
         return torch.einsum("bh,bhl->bl", w, torch.relu(s))
 
 

@@ -146,7 +146,7 @@ class MLAAttention(nn.Module):
                 for b, n in enumerate(lengths.tolist()):
                     self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
             if length > self.indexer.topk:
-                idx = scores.topk(self.indexer.topk, dim=-1).indices
+                idx = scores.topk(self.indexer.topk, dim=-1, sorted=False).indices
                 allowed = allowed & torch.zeros_like(allowed).scatter_(-1, idx, True)
         return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
 
@@ -164,7 +164,7 @@ class MLAAttention(nn.Module):
         if self.record_index_scores is not None:
             for b, n in enumerate(lengths):
                 self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
-        idx = scores.topk(self.indexer.topk, dim=-1).indices  # [B, k]
+        idx = scores.topk(self.indexer.topk, dim=-1, sorted=False).indices  # [B, k]
         selected = allowed.gather(1, idx)  # False only on the padding picked for histories shorter than k
         idx = idx.masked_fill(~selected, 0)
         kv = [read(idx[b]) for b, (_, read) in enumerate(reads)]
