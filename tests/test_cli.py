@@ -45,3 +45,27 @@ def test_engine_flags_reach_the_engine(tmp_path, capsys):
         "2",
     ]
     assert main(argv) == 0
+
+
+def test_prefix_cache_flags_parse_and_validate(tmp_path, capsys):
+    from kestrel.cli import build_parser, engine_kwargs
+    from kestrel.config import EngineConfig
+
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--no-enable-prefix-caching", "--hicache-size", "0.5"]
+        + [
+            "--hicache-storage-dir",
+            str(tmp_path),
+            "--hicache-write-policy",
+            "write_back",
+            "--state-track-interval",
+            "64",
+        ]
+    )
+    config = EngineConfig(**engine_kwargs(args))
+    assert not config.enable_prefix_caching and config.hicache_size == 0.5
+    assert config.hicache_storage_dir == str(tmp_path) and config.hicache_write_policy == "write_back"
+    assert main(["generate", "--prompt", "hi", "--state-track-interval", "24"]) == 2
+    assert "state_track_interval" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--hicache-write-policy", "lazy"]) == 2
+    assert "hicache_write_policy" in capsys.readouterr().err

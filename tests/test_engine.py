@@ -45,7 +45,9 @@ def _assert_all_freed(llm: LLM) -> None:
     stats = engine.stats()
     assert stats["pages_used"] == 0 and stats["slots_used"] == 0 and stats["running"] == stats["waiting"] == 0
     if engine.cache is not None:
+        engine.cache.check_counters()
         engine.cache.clear()
+        engine.cache.check_counters()
     assert engine.pages.num_used == 0 and (engine.slots is None or engine.slots.num_used == 0)
 
 

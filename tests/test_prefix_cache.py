@@ -45,6 +45,7 @@ def _converse(llm: LLM, sessions: int, turns: int, new_tokens, out_tokens: int, 
 
 def _assert_idle_and_clear(llm: LLM) -> None:
     engine = llm.engine
+    engine.cache.check_counters()
     stats = engine.stats()
     assert stats["pages_used"] == 0 and stats["slots_used"] == 0 and stats["running"] == 0
     engine.cache.clear()

@@ -71,6 +71,7 @@ def _run(cache: RadixCache, io: FakeIO, ids: list[int], checkpoints: list[int]) 
         cache.slots.free(req.slot)
         req.slot = None
     cache.release(req)
+    cache.check_counters()
     return req
 
 
@@ -134,7 +135,7 @@ def test_max_states_per_path_drops_the_shallowest():
     cache, io = _cache(max_states=2)
     ids = list(range(40))
     _run(cache, io, ids, [8, 16, 24])
-    depths = sorted(n.depth for n in cache._nodes() if n.checkpoint is not None)
+    depths = sorted(n.depth for n in cache.nodes() if n.checkpoint is not None)
     assert depths == [16, 24]
     assert cache.slots.num_used == 2
 

@@ -227,7 +227,7 @@ class HiCache:
 
     def load_host(self, node: RadixNode, pages: list[int]) -> None:
         self.io.scatter_pages(pages, node.host.kv)
-        node.pages = pages
+        self.radix.set_pages(node, pages)
 
     def drop_host(self, node: RadixNode) -> None:
         self.host_used -= node.host.nbytes
@@ -248,7 +248,7 @@ class HiCache:
         while progress and self.host_used + nbytes > self.host_budget:
             progress = False
             candidates = sorted(
-                (x for x in radix._nodes() if x.host is not None and x is not keep and x.lock_ref == 0),
+                (x for x in radix.nodes() if x.host is not None and x is not keep and x.lock_ref == 0),
                 key=lambda x: x.last_access,
             )
             for node in candidates:
@@ -331,6 +331,6 @@ class HiCache:
         """Write every node still held only in memory to disk (write_back at shutdown)."""
         if self.disk is None:
             return
-        for node in list(self.radix._nodes()):
+        for node in list(self.radix.nodes()):
             if node.on_device or node.host is not None:
                 self.write_disk(node)

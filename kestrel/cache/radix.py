@@ -129,6 +129,10 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
         self.stats = CacheStats()
+        # Kept incrementally so that reporting them costs nothing per step (see `check_counters`).
+        self.num_device_pages = 0
+        self.num_locked_pages = 0  # device pages of nodes some running request locks
+        self.num_checkpoints = 0
         if hicache is not None:
             hicache.attach(self)
 
@@ -178,21 +182,38 @@ class RadixCache:
         for i in range(len(key) // self.page_size):
             h = chain_hash(h, self._page(key, i))
             hashes.append(h)
-        node = RadixNode(key, parent, parent.depth + len(key), pages, hashes)
+        node = RadixNode(key, parent, parent.depth + len(key), None, hashes)
         parent.children[key[: self.page_size]] = node
+        self.set_pages(node, pages)
         self._tick(node)
         return node
 
     def lock(self, node: RadixNode) -> None:
         while node is not None:
             node.lock_ref += 1
+            if node.lock_ref == 1 and node.on_device:
+                self.num_locked_pages += node.num_pages
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
         while node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "radix lock underflow"
+            if node.lock_ref == 0 and node.on_device:
+                self.num_locked_pages -= node.num_pages
             node = node.parent
+
+    def set_pages(self, node: RadixNode, pages: list[int] | None) -> None:
+        """Put a node's edge on the device (pages) or take it off (None), keeping the counters exact."""
+        sign = (pages is not None) - node.on_device
+        self.num_device_pages += sign * node.num_pages
+        if node.lock_ref > 0:
+            self.num_locked_pages += sign * node.num_pages
+        node.pages = pages
+
+    def set_checkpoint(self, node: RadixNode, slot: int | None) -> None:
+        self.num_checkpoints += (slot is not None) - (node.checkpoint is not None)
+        node.checkpoint = slot
 
     # -- matching --------------------------------------------------------------------------------------
     def match(self, ids: list[int]) -> PrefixMatch:
@@ -298,7 +319,7 @@ class RadixCache:
             slot = self.alloc_slot()
             if slot is not None:
                 self.io.scatter_state(slot, state)
-                new.checkpoint = slot
+                self.set_checkpoint(new, slot)
         return new, state
 
     # -- inserting -------------------------------------------------------------------------------------
@@ -325,7 +346,7 @@ class RadixCache:
             if m < child.num_pages:
                 child = self._split(child, m)
             if child.pages is None:  # only on a lower tier: adopt the request's fresh pages
-                child.pages = req.pages[i : i + m]
+                self.set_pages(child, req.pages[i : i + m])
             else:
                 for j in range(m):
                     if req.pages[i + j] != child.pages[j]:
@@ -346,7 +367,7 @@ class RadixCache:
         if node is self.root or node.checkpoint is not None:
             self.slots.free(slot)
             return
-        node.checkpoint = slot
+        self.set_checkpoint(node, slot)
         self.stats.checkpoints_taken += 1
         if self.hicache is not None:
             self.hicache.on_checkpoint(node)
@@ -358,7 +379,7 @@ class RadixCache:
     def _drop_checkpoint(self, node: RadixNode) -> None:
         if node.checkpoint is not None:
             self.slots.free(node.checkpoint)
-            node.checkpoint = None
+            self.set_checkpoint(node, None)
         if node.host is not None and node.host.state is not None:
             self.hicache.drop_host_state(node)
 
@@ -389,7 +410,7 @@ class RadixCache:
 
     def evict_pages(self, n: int) -> int:
         """Free at least n device pages from LRU unlocked leaves (moved down a tier when one exists)."""
-        heap = [(x.last_access, id(x), x) for x in self._nodes() if self._device_leaf(x)]
+        heap = [(x.last_access, id(x), x) for x in self.nodes() if self._device_leaf(x)]
         heapq.heapify(heap)
         freed = 0
         while freed < n and heap:
@@ -400,10 +421,10 @@ class RadixCache:
             self.stats.evicted_pages += node.num_pages
             kept = self.hicache is not None and self.hicache.save_for_eviction(node)
             self.allocator.free(node.pages)
-            node.pages = None
+            self.set_pages(node, None)
             if node.checkpoint is not None:
                 self.slots.free(node.checkpoint)
-                node.checkpoint = None
+                self.set_checkpoint(node, None)
             parent = node.parent
             if not kept:
                 self.remove(node)
@@ -414,13 +435,13 @@ class RadixCache:
     def evict_checkpoints(self, n: int) -> int:
         """Free n device state slots held by checkpoints, unlocked LRU first (moved to host when possible)."""
         holders = sorted(
-            (x for x in self._nodes() if x.checkpoint is not None), key=lambda x: (x.lock_ref > 0, x.last_access)
+            (x for x in self.nodes() if x.checkpoint is not None), key=lambda x: (x.lock_ref > 0, x.last_access)
         )
         for node in holders[:n]:
             if self.hicache is not None:
                 self.hicache.save_state_for_eviction(node)
             self.slots.free(node.checkpoint)
-            node.checkpoint = None
+            self.set_checkpoint(node, None)
             self.stats.evicted_checkpoints += 1
         return min(n, len(holders))
 
@@ -441,7 +462,8 @@ class RadixCache:
             and not any(c.on_device for c in node.children.values())
         )
 
-    def _nodes(self):
+    def nodes(self):
+        """Every node but the root (depth-first)."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -450,17 +472,24 @@ class RadixCache:
 
     # -- accounting ------------------------------------------------------------------------------------
     def device_pages(self) -> int:
-        return sum(x.num_pages for x in self._nodes() if x.on_device)
+        return self.num_device_pages
 
     def device_checkpoints(self) -> int:
-        return sum(1 for x in self._nodes() if x.checkpoint is not None)
+        return self.num_checkpoints
 
     def evictable_pages(self) -> int:
-        return sum(x.num_pages for x in self._nodes() if x.on_device and x.lock_ref == 0)
+        return self.num_device_pages - self.num_locked_pages
+
+    def check_counters(self) -> None:
+        """Recount everything from the tree (tests): the incremental counters must agree."""
+        nodes = list(self.nodes())
+        assert self.num_device_pages == sum(x.num_pages for x in nodes if x.on_device)
+        assert self.num_locked_pages == sum(x.num_pages for x in nodes if x.on_device and x.lock_ref > 0)
+        assert self.num_checkpoints == sum(1 for x in nodes if x.checkpoint is not None)
 
     def clear(self) -> None:
         """Drop every unlocked node from every tier held in memory (disk files stay)."""
-        self.evict_pages(self.device_pages())
+        self.evict_pages(self.num_device_pages)
         for node in list(self.root.children.values()):
             if node.lock_ref == 0 and not node.on_device:
                 self.remove(node)
