@@ -145,6 +145,7 @@ def test_disk_tier_survives_restart_and_skips_corrupt_files(policy, tiny_checkpo
     out = second.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected
     assert out.cached_tokens >= 128 and second.engine.stats()["prefix_cache_disk_hit_tokens"] == out.cached_tokens
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": out.cached_tokens}
 
     # Damage the files: one truncated page, one flipped byte in a state. A fresh engine must notice, skip
     # them (recomputing from the last good checkpoint, if any) and still answer exactly.

@@ -56,6 +56,7 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     top_logprobs: list | None = None
     cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
     error: str | None = None
 
 
@@ -276,6 +277,7 @@ class Engine:
                     logprobs=list(req.logprobs) if with_lp else None,
                     top_logprobs=list(req.top_logprobs) if with_lp else None,
                     cached_tokens=req.cached_tokens,
+                    cached_tokens_by_tier=dict(req.cache_hits),
                     error=req.error,
                 )
             )

@@ -80,6 +80,7 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
             "prompt_tokens": len(ids),
             "completion_tokens": len(comp.token_ids),
             "cached_tokens": comp.cached_tokens,
+            "cached_tokens_by_tier": comp.cached_tokens_by_tier,
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(comp.logprobs, comp.token_ids)]

@@ -50,9 +50,11 @@ class Indexer(nn.Module):
 
     def scores_padded(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Decode form: one query per sequence [B, H, D] against padded keys [B, L, D] → [B, L]."""
-        s = torch.einsum("bhd,bld->bhl", q.float(), keys.float())
         if not torch.is_grad_enabled():
-            return torch.einsum("bh,bhl->bl", w, s.relu_())  # inference: no copy of the [B, H, L] scores
+            # Inference: keys-major [B, L, H] products, ReLU in place, then one matrix-vector product per sequence.
+            s = torch.bmm(keys.float(), q.float().transpose(1, 2)).relu_()
+            return torch.bmm(s, w[:, :, None]).squeeze(-1)
+        s = torch.einsum("bhd,bld->bhl", q.float(), keys.float())
         return torch.einsum("bh,bhl->bl", w, torch.relu(s))
 
 
