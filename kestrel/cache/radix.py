@@ -102,7 +102,6 @@ class CacheStats:
     evicted_pages: int = 0
     evicted_checkpoints: int = 0
     checkpoints_taken: int = 0
-    disk_corrupt_files: int = 0
 
 
 class RadixCache:

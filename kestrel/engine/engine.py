@@ -138,7 +138,7 @@ class Engine:
             return config.max_running_requests
         checkpoints = config.max_state_checkpoints
         if checkpoints is None:
-            checkpoints = 4 * config.max_running_requests
+            checkpoints = 2 * config.max_running_requests
         return 2 * config.max_running_requests + checkpoints
 
     def _num_pages(self, num_slots: int) -> int:
