@@ -69,3 +69,7 @@ def test_prefix_cache_flags_parse_and_validate(tmp_path, capsys):
     assert "state_track_interval" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--hicache-write-policy", "lazy"]) == 2
     assert "hicache_write_policy" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["generate", "--prompt", "hi", "--hicache-storage-dir", str(blocker / "sub")]) == 2
+    assert "hicache_storage_dir" in capsys.readouterr().err

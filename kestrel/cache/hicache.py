@@ -83,7 +83,10 @@ class DiskStore:
 
     def __init__(self, root: str | Path, namespace: str) -> None:
         self.dir = Path(root) / namespace
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"hicache_storage_dir: cannot use {root} ({exc.strerror})") from exc
         self.corrupt = 0
         self.written = 0
 
