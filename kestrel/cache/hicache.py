@@ -2,7 +2,7 @@
 
 L2 keeps evicted pages and checkpoints in host tensors under a byte budget (`--hicache-size`). L3 is a store
 of page files keyed by the chain hash of their token prefix (plus one file per checkpoint), written atomically
-(temp file + rename) with a SHA-256 checksum, so it survives restarts and a torn or corrupted file is detected
+(temp file + rename) behind a SHA-256 checksum, so it survives restarts and a torn or corrupted file is detected
 and skipped, never loaded. Write policies (`--hicache-write-policy`), as in SGLang:
 
 - write_through: every page / checkpoint the tree takes is copied down at once; eviction is then free;
@@ -107,9 +107,9 @@ class DiskStore:
         with open(tmp, "wb") as f:
             f.write(_HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)))
             f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)  # atomic: readers see the whole file or none
+        # Atomic: readers see the whole file or none. No fsync: after a power loss a file whose data never
+        # reached the disk fails its checksum and is skipped like any other corrupt file; a cache needs no more.
+        os.replace(tmp, target)
         self.written += 1
 
     def read(self, key: bytes, kind: str, tokens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
