@@ -14,9 +14,11 @@ def llm(tiny_checkpoints):
     return LLM(str(tiny_checkpoints["kimi_k3"]), max_total_tokens=2048, chunked_prefill_size=8, page_size=4)
 
 
-def test_prompt_logprobs_across_chunks_match_full_forward(llm):
+@pytest.mark.parametrize("repeat", [1, 2])  # the second run finds the prompt in the prefix cache
+def test_prompt_logprobs_across_chunks_match_full_forward(llm, repeat):
     prompt = torch.randint(3, 259, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    assert out.outputs[0].cached_tokens == 0  # prompt logprobs need every prompt row computed
     expected = torch.log_softmax(full_logits(llm.engine.model, prompt), dim=-1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i in range(1, len(prompt)):

@@ -219,7 +219,10 @@ class Scheduler:
                 if slot is None:
                     break
             req.slot = slot
-            if self.cache is not None and not self.cache.acquire(req, self.cache.match(req.all_ids)):
+            # Prompt logprobs need every prompt row computed, so such requests skip the match (as in vLLM);
+            # what they compute is still committed for the requests after them.
+            reuse = self.cache is not None and req.params.prompt_logprobs is None
+            if reuse and not self.cache.acquire(req, self.cache.match(req.all_ids)):
                 self._unadmit(req)
                 break
             need = req.num_tokens - req.computed_len
