@@ -32,6 +32,7 @@ TINY_FLAGS = [
 LEVEL_KEYS = {
     "concurrency", "sessions", "requests", "errors", "wall_s", "output_tokens", "throughput_tok_s", "ttft_p50_s",
     "ttft_p90_s", "itl_p50_s", "itl_p90_s", "speed_p50_tok_s", "speed_p90_tok_s", "mean_prompt_tokens", "meets_slo",
+    "prefix_cache_hit_rate",
 }  # fmt: skip
 
 
@@ -98,6 +99,9 @@ def check_result(result: dict, levels: list[int], out_dir) -> None:
             r["max_tokens"] for r in data["requests"] if r["concurrency"] == lv["concurrency"]
         )
     assert all(r["output_tokens"] == r["max_tokens"] and r["ttft"] > 0 for r in data["requests"])
+    # Second turns extend the first: Kestrel's prefix cache reports reused tokens, and the level summary sees them.
+    assert any(r["turn"] == 1 and r["cached_tokens"] > 0 for r in data["requests"])
+    assert all(0 <= lv["prefix_cache_hit_rate"] < 1 for lv in data["levels"])
     png = (out_dir / "bench_serve.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 

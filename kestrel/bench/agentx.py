@@ -136,6 +136,7 @@ class RequestRecord:
     latency: float | None = None
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     speed: float | None = None  # output tokens / (end - first token)
     itl: list[float] = field(default_factory=list)
 
@@ -169,6 +170,7 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any], record: R
                 if event.get("usage"):
                     completion_tokens = event["usage"].get("completion_tokens")
                     record.prompt_tokens = event["usage"].get("prompt_tokens")
+                    record.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in event.get("choices") or []:
                     delta = choice.get("delta") or {}
                     text, think = delta.get("content") or "", delta.get("reasoning_content") or ""
@@ -262,7 +264,14 @@ def summarize(concurrency: int, sessions: int, records: list[RequestRecord], wal
         "mean_prompt_tokens": (
             sum(r.prompt_tokens for r in ok) / len(ok) if ok and all(r.prompt_tokens is not None for r in ok) else None
         ),
+        "prefix_cache_hit_rate": _hit_rate(ok),
     }
+
+
+def _hit_rate(records: list[RequestRecord]) -> float | None:
+    """Share of prompt tokens the server reported as cached (None when it reports no cached tokens)."""
+    known = [r for r in records if r.prompt_tokens and r.cached_tokens is not None]
+    return sum(r.cached_tokens for r in known) / sum(r.prompt_tokens for r in known) if known else None
 
 
 def meets_slo(level: dict[str, Any], ttft_p90: float | None, speed_p90: float | None) -> bool | None:
@@ -346,13 +355,17 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 SLO_MARK = {True: "yes", False: "no", None: "-"}
 
 
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def format_table(result: dict[str, Any]) -> str:
     def f(v, scale=1.0, fmt=".2f"):
         return "-" if v is None else format(v * scale, fmt)
 
     head = (
         f"{'conc':>5} {'reqs':>5} {'err':>4} {'TTFT p50/p90 s':>15} {'ITL p50/p90 ms':>15} "
-        f"{'speed p50/p90 tok/s':>20} {'throughput tok/s':>17} {'SLO':>4}"
+        f"{'speed p50/p90 tok/s':>20} {'throughput tok/s':>17} {'cached':>7} {'SLO':>4}"
     )
     lines = [head, "-" * len(head)]
     for lv in result["levels"]:
@@ -361,7 +374,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"{f(lv['ttft_p50_s']) + '/' + f(lv['ttft_p90_s']):>15} "
             f"{f(lv['itl_p50_s'], 1e3, '.1f') + '/' + f(lv['itl_p90_s'], 1e3, '.1f'):>15} "
             f"{f(lv['speed_p50_tok_s'], fmt='.1f') + '/' + f(lv['speed_p90_tok_s'], fmt='.1f'):>20} "
-            f"{f(lv['throughput_tok_s'], fmt='.1f'):>17} {SLO_MARK[lv['meets_slo']]:>4}"
+            f"{f(lv['throughput_tok_s'], fmt='.1f'):>17} {percent(lv.get('prefix_cache_hit_rate')):>7} "
+            f"{SLO_MARK[lv['meets_slo']]:>4}"
         )
     return "\n".join(lines)
 
