@@ -161,3 +161,23 @@ def test_disk_tier_survives_restart_and_skips_corrupt_files(policy, tiny_checkpo
     assert out.token_ids == expected
     assert third.engine.stats()["prefix_cache_disk_corrupt_files"] >= 1
     assert out.cached_tokens == 0  # every checkpoint was damaged: nothing may be reused
+
+
+def test_three_tiers_write_back_spills_device_to_host_to_disk(tiny_checkpoints, tmp_path):
+    path = str(tiny_checkpoints["kimi_k3"])
+    args = dict(page_size=PAGE, chunked_prefill_size=64, state_track_interval=32, max_running_requests=2)
+    off = LLM(path, max_total_tokens=4096, enable_prefix_caching=False, **args)
+    tiers = dict(hicache_size=2e-4, hicache_storage_dir=str(tmp_path), hicache_write_policy="write_back")
+    llm = LLM(path, max_total_tokens=256, **tiers, **args)  # 16 device pages, ~200 KB of host memory
+    prompts = [_tokens(150, 20 + i) for i in range(4)]
+    for p in prompts:  # each evicts the one before from the device, and host eviction spills to disk
+        llm.generate([p], _greedy(4), use_tqdm=False)
+    assert llm.engine.hicache.host_used <= 2e-4 * 1e9 and list(tmp_path.rglob("*.page"))
+    for p in prompts:
+        q = p + [5, 6, 7]
+        out = llm.generate([q], _greedy(4), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == off.generate([q], _greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_host_hit_tokens"] + stats["prefix_cache_disk_hit_tokens"] > 0
+    assert stats["prefix_cache_disk_hit_tokens"] > 0
+    _assert_idle_and_clear(llm)
