@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
-import time
 
 import pytest
+from server_harness import running_server
 
 from kestrel.bench.agentx import BenchConfig, Workload, make_session, request_body, run_bench, write_results
 from kestrel.cli import main
-from kestrel.config import EngineConfig
-from kestrel.server.args import ServerConfig
-from kestrel.server.launch import make_server
 
 # A few words per message and a few output tokens per turn: the whole sweep takes seconds on one CPU thread.
 TINY = Workload(
@@ -36,30 +31,12 @@ LEVEL_KEYS = {
 }  # fmt: skip
 
 
-@contextlib.contextmanager
-def running_server(model: str):
-    """uvicorn on 127.0.0.1 at a free port, in a background thread (as tests/test_server.py does); yields its URL."""
-    engine = EngineConfig(model=model, dtype="float32", device="cpu", max_total_tokens=16384, max_model_len=1024)
-    server = make_server(engine, ServerConfig(port=0))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     from kestrel.models.checkpoint import make_model
 
     checkpoint = make_model("kimi_k3", "tiny", tmp_path_factory.mktemp("bench") / "k3", seed=0)
-    with running_server(str(checkpoint)) as url:
+    with running_server(str(checkpoint)) as (url, _):
         yield url
 
 

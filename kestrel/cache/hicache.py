@@ -207,7 +207,7 @@ class HiCache:
         if node.host is None or node.host.kv is None:
             if not node.on_device:
                 return False
-            need = node.num_pages * self.radix.page_size * self.io_width_bytes()
+            need = node.num_pages * self.radix.page_size * self.io.packed_bytes_per_token
             if not self._make_room(need, keep=node):
                 return False
             state = node.host.state if node.host is not None else None
@@ -224,9 +224,6 @@ class HiCache:
         node.host.state = state
         self.host_used += _nbytes(state)
         return True
-
-    def io_width_bytes(self) -> int:
-        return self.radix.io.packed_bytes_per_token
 
     def load_host(self, node: RadixNode, pages: list[int]) -> None:
         self.io.scatter_pages(pages, node.host.kv)
