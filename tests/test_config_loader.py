@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kestrel.config import ConfigError, load_model_config, model_config_from_dict
 from kestrel.models.checkpoint import make_model
+from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.loader import CheckpointError, load_model, param_count
 from kestrel.models.presets import preset_config
 from kestrel.models.simple_cache import full_logits
@@ -119,8 +120,14 @@ def test_transformers_fused_expert_layout_loads(tmp_path, tiny_checkpoints):
     """transformers' in-memory layout (fused experts, stacked conv, forget_gate.*) loads to the same model."""
     src = tiny_checkpoints["kimi_linear"]
     model, cfg = load_model(src)
+    state = model.state_dict()
+    for prefix, module in model.named_modules():  # Kestrel's fused input projections are not transformers'
+        if isinstance(module, FusedLinear):
+            parent = prefix.rsplit(".", 1)[0]
+            for part, piece in zip(module.parts, state.pop(f"{prefix}.weight").split(module.sizes)):
+                state[f"{parent}.{part}.weight"] = piece
     tensors = {}
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         name = name.replace("self_attn.f_a_proj", "self_attn.forget_gate.f_a_proj")
         tensors[name] = t.clone()
     out = tmp_path / "fused"

@@ -96,7 +96,6 @@ def test_latent_moe_matches_formula(tiny_checkpoints):
         normed = acc / torch.sqrt((acc * acc).mean() + cfg.rms_norm_eps) * moe.routed_expert_norm.weight
         routed = moe.routed_expert_up_proj.weight @ normed
         sh = moe.shared_experts
-        shared = sh.down_proj.weight @ situ(
-            sh.gate_proj.weight @ x[t], sh.up_proj.weight @ x[t], cfg.situ_beta, cfg.situ_linear_beta
-        )
+        gate_w, up_w = sh.gate_up_proj.weight.chunk(2)  # gate_proj and up_proj, fused in memory
+        shared = sh.down_proj.weight @ situ(gate_w @ x[t], up_w @ x[t], cfg.situ_beta, cfg.situ_linear_beta)
         assert torch.allclose(out[t], routed + shared, atol=1e-5)

@@ -14,20 +14,29 @@ from kestrel.models.forward_batch import ForwardBatch
 
 
 class PagedCacheView:
-    """The `ModelCache` of one batch: token slots through page tables, state slots by id."""
+    """The `ModelCache` of one batch: token slots through one padded page table, state slots by id.
+
+    `slot_table[i, p]` is the KV pool row of sequence i's token at position p (valid for p < history_lens[i]).
+    """
 
     def __init__(
         self,
         kv: KVStorage,
         states: StateStorage | None,
+        slot_table: torch.Tensor,
+        history_lens: torch.Tensor,
+        history_list: list[int],
+        num_decode: int,
         write_slots: torch.Tensor,
-        history_slots: list[torch.Tensor],
-        state_slots: torch.Tensor | None,
+        state_slots: torch.Tensor,
         snapshot_slots: list[list[int]] | None = None,
     ) -> None:
         self.kv, self.states = kv, states
-        self.write_slots, self.history_slots, self.state_slots = write_slots, history_slots, state_slots
-        self.snapshot_slots = snapshot_slots
+        self.slot_table, self.history_lens = slot_table, history_lens
+        self.write_slots, self.state_slots, self.snapshot_slots = write_slots, state_slots, snapshot_slots
+        self._history_list = history_list
+        # [D, L_max] for the decode rows; positions past a row's length are padding, masked by the layers.
+        self.decode_slots = slot_table[:num_decode, : max(history_list[:num_decode], default=0)]
 
     def store_kv(self, layer, latent, rope_key, index_key) -> None:
         self.kv.latent[layer].index_copy_(0, self.write_slots, latent.to(self.kv.latent[layer].dtype))
@@ -36,30 +45,22 @@ class PagedCacheView:
             self.kv.index_key[layer].index_copy_(0, self.write_slots, index_key.to(self.kv.index_key[layer].dtype))
 
     def load_kv(self, layer, seq):
-        idx = self.history_slots[seq]
+        idx = self.slot_table[seq, : self._history_list[seq]]
         index = self.kv.index_key[layer]
         return self.kv.latent[layer][idx], self.kv.rope_key[layer][idx], index[idx] if index is not None else None
 
-    def load_index_key(self, layer, seq):
-        return self.kv.index_key[layer][self.history_slots[seq]]
+    def decode_lengths(self):
+        return self.history_lens[: self.decode_slots.shape[0]]
 
-    def load_kv_at(self, layer, seq, positions):
-        slots = self.history_slots[seq][positions]
+    def decode_kv(self, layer):
+        return self.kv.latent[layer][self.decode_slots], self.kv.rope_key[layer][self.decode_slots]
+
+    def decode_index_keys(self, layer):
+        return self.kv.index_key[layer][self.decode_slots]
+
+    def decode_kv_at(self, layer, positions):
+        slots = self.decode_slots.gather(1, positions)
         return self.kv.latent[layer][slots], self.kv.rope_key[layer][slots]
-
-    def load_kv_padded(self, layer):
-        if not hasattr(self, "_padded_slots"):
-            lengths = [h.shape[0] for h in self.history_slots]
-            self._lengths = torch.tensor(lengths, device=self.write_slots.device)
-            self._padded_slots = torch.nn.utils.rnn.pad_sequence(self.history_slots, batch_first=True)
-        idx = self._padded_slots
-        index = self.kv.index_key[layer]
-        return (
-            self.kv.latent[layer][idx],
-            self.kv.rope_key[layer][idx],
-            index[idx] if index is not None else None,
-            self._lengths,
-        )
 
     def load_state(self, layer):
         return self.states.conv[layer][self.state_slots], self.states.recurrent[layer][self.state_slots]
@@ -72,6 +73,16 @@ class PagedCacheView:
         slot = self.snapshot_slots[seq][index]
         self.states.conv[layer][slot] = conv_state
         self.states.recurrent[layer][slot] = recurrent_state
+
+
+def chunk_tokens(prompt: list[int], output: list[int], start: int, n: int) -> list[int]:
+    """Tokens [start, start + n) of prompt + output without concatenating the whole history."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p : start - p + n]
+    if start + n <= p:
+        return prompt[start : start + n]
+    return prompt[start:] + output[: start + n - p]
 
 
 @dataclass
@@ -89,35 +100,57 @@ class ModelRunner:
         self.states = StateStorage(cfg, num_slots, model.dtype, device) if cfg.kda_layers else None
         self._offsets = torch.arange(page_size, device=device)
 
-    def _token_slots(self, pages: list[int], length: int) -> torch.Tensor:
-        table = torch.tensor(pages, dtype=torch.long, device=self.device)
-        return (table[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)[:length]
+    def prepare(self, plan: SchedulePlan) -> tuple[ForwardBatch, torch.Tensor]:
+        """One ForwardBatch for the plan, plus the rows whose logits are sampled.
 
-    def prepare(self, plan: SchedulePlan) -> ForwardBatch:
-        ids, positions, write, history, slots = [], [], [], [], []
-        for chunk in plan.chunks:
-            req, start, n = chunk.request, chunk.start, chunk.num_tokens
-            ids.extend(req.all_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            seq_slots = self._token_slots(req.pages, start + n)
-            history.append(seq_slots)
-            write.append(seq_slots[start:])
-            slots.append(req.slot if req.slot is not None else 0)
+        Every integer the step needs (token ids, positions, page table, state slots, sampled rows) is gathered into
+        one Python list and becomes one tensor, copied to the device once.
+        """
+        ps, chunks = self.page_size, plan.chunks
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_of: list[int] = []
+        hist, extend, prefix, sample_rows = [], [], [], []
+        for i, c in enumerate(chunks):
+            req, start, n = c.request, c.start, c.num_tokens
+            ids += chunk_tokens(req.prompt_ids, req.output_ids, start, n)
+            positions += range(start, start + n)
+            seq_of += [i] * n
+            hist.append(start + n)
+            extend.append(n)
+            prefix.append(start)
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+        width = -(-max(hist) // ps)
+        table = [0] * (len(chunks) * width)
+        for i, c in enumerate(chunks):
+            used = -(-hist[i] // ps)
+            table[i * width : i * width + used] = c.request.pages[:used]
+        slots = [c.request.slot if c.request.slot is not None else 0 for c in chunks]
+        t, b = len(ids), len(chunks)
+        meta = torch.tensor(ids + positions + seq_of + table + slots + hist + sample_rows, dtype=torch.long)
+        meta = meta.to(self.device, non_blocking=True)
+        ids_t, pos_t, seq_t, table_t, slots_t, hist_t, rows_t = meta.split([t, t, t, b * width, b, b, len(sample_rows)])
+        slot_table = (table_t.view(b, width, 1) * ps + self._offsets).view(b, width * ps)
         if self.states is not None and plan.fresh_slots:
             self.states.reset(plan.fresh_slots)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            extend_lens=[c.num_tokens for c in plan.chunks],
-            prefix_lens=[c.start for c in plan.chunks],
-        )
-        state_slots = torch.tensor(slots, dtype=torch.long, device=self.device) if self.states is not None else None
+        batch = ForwardBatch(input_ids=ids_t, positions=pos_t, extend_lens=extend, prefix_lens=prefix)
         snapshot_slots = None
-        if any(c.snapshots for c in plan.chunks):
-            batch.state_snapshots = [[m for m, _, _ in c.snapshots] for c in plan.chunks]
-            snapshot_slots = [[slot for _, slot, _ in c.snapshots] for c in plan.chunks]
-        batch.cache = PagedCacheView(self.kv, self.states, torch.cat(write), history, state_slots, snapshot_slots)
-        return batch
+        if any(c.snapshots for c in chunks):
+            batch.state_snapshots = [[m for m, _, _ in c.snapshots] for c in chunks]
+            snapshot_slots = [[slot for _, slot, _ in c.snapshots] for c in chunks]
+        batch.cache = PagedCacheView(
+            self.kv,
+            self.states,
+            slot_table,
+            hist_t,
+            hist,
+            batch._leading_single,
+            slot_table[seq_t, pos_t],
+            slots_t,
+            snapshot_slots,
+        )
+        return batch, rows_t
 
     # -- CacheIO: the tensor side of the radix cache and HiCache ---------------------------------------
     def copy_state(self, src: int, dst: int) -> None:
@@ -142,14 +175,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
-        batch = self.prepare(plan)
+        batch, rows = self.prepare(plan)
         if routed or any(c.request.routed_experts is not None for c in plan.chunks):
             batch.routed_experts = {}
         hidden = self.model(batch)
         if batch.routed_experts:
-            _record_routed_experts(plan, batch)
-        rows = [batch.seq_slice(i).stop - 1 for i, c in enumerate(plan.chunks) if c.samples]
-        sample = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, self.model.cfg.vocab_size).float()
+            _record_routed_experts(plan, batch, rows)
+        sample = self.model.logits(hidden[rows])
         prompt = {
             i: self.model.logits(hidden[batch.seq_slice(i)])
             for i, c in enumerate(plan.chunks)
@@ -158,16 +190,16 @@ class ModelRunner:
         return StepLogits(sample, prompt), batch
 
 
-def _record_routed_experts(plan: SchedulePlan, batch: ForwardBatch) -> None:
+def _record_routed_experts(plan: SchedulePlan, batch: ForwardBatch, sample_rows: torch.Tensor) -> None:
     """Append, per token sampled this step, the experts every MoE layer chose for the row that sampled it.
 
     That row's input is the token before the sampled one, so a request's entry k holds the routing computed
     when the token at position len(prompt) - 1 + k was the input (the convention routing replay needs).
     """
-    wanted = [(i, c.request) for i, c in enumerate(plan.chunks) if c.samples and c.request.routed_experts is not None]
-    if not wanted:
+    sampling = [c.request for c in plan.chunks if c.samples]
+    if not any(req.routed_experts is not None for req in sampling):
         return
-    rows = torch.tensor([batch.seq_slice(i).stop - 1 for i, _ in wanted], device=batch.input_ids.device)
-    per_layer = {layer: ids[rows].tolist() for layer, ids in sorted(batch.routed_experts.items())}
-    for j, (_, req) in enumerate(wanted):
-        req.routed_experts.append({layer: ids[j] for layer, ids in per_layer.items()})
+    per_layer = {layer: ids[sample_rows].tolist() for layer, ids in sorted(batch.routed_experts.items())}
+    for j, req in enumerate(sampling):
+        if req.routed_experts is not None:
+            req.routed_experts.append({layer: ids[j] for layer, ids in per_layer.items()})

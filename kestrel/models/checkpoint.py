@@ -1,8 +1,8 @@
 """Write checkpoints in the families' real on-disk format (used by `kestrel make-model` and the trainer).
 
-Kestrel fuses some tensors in memory (q/k/v convs, stacked experts); on disk each family keeps its own layout:
-Kimi checkpoints write `block_sparse_moe.experts.N.w1/w2/w3` and separate `q/k/v_conv1d`, DeepSeek writes
-`mlp.experts.N.gate_proj/up_proj/down_proj`.
+Kestrel fuses some tensors in memory (q/k/v convs, projections of the same input, stacked experts); on disk each
+family keeps its own layout: Kimi checkpoints write `block_sparse_moe.experts.N.w1/w2/w3` and separate
+`q/k/v_conv1d`, DeepSeek writes `mlp.experts.N.gate_proj/up_proj/down_proj`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from kestrel.config import model_config_from_dict
 from kestrel.models.decoder import CausalLM
 from kestrel.models.layers.kda import KDAAttention
+from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.moe import Experts, Router
 from kestrel.models.loader import build_model
 from kestrel.models.presets import preset_config
@@ -69,6 +70,14 @@ def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     expert_names = _KIMI_EXPERT_NAMES if kimi else _DS_EXPERT_NAMES
     out: dict[str, torch.Tensor] = {}
     state = model.state_dict()
+    for prefix, module in model.named_modules():  # fused projections go back to their separate tensors
+        if isinstance(module, FusedLinear):
+            for kind in ("weight", "bias"):
+                fused = state.pop(f"{prefix}.{kind}", None)
+                shards = getattr(getattr(module, kind), "weight_shards", ()) if fused is not None else ()
+                for part, piece in zip(module.parts, fused.split(module.sizes) if fused is not None else ()):
+                    if part in shards:
+                        state[f"{prefix.rsplit('.', 1)[0]}.{part}.{kind}"] = piece
     for name, tensor in state.items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue

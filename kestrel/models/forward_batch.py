@@ -1,7 +1,9 @@
 """The one object every layer reads its batch metadata from.
 
 A batch is a flat run of tokens from several sequences. Sequence i contributes `extend_lens[i]` new tokens,
-positioned after `prefix_lens[i]` tokens whose state already lives in the cache. Layers never look up
+positioned after `prefix_lens[i]` tokens whose state already lives in the cache. The first `num_decode` sequences
+add exactly one token each (decode rows, rows [0, num_decode) of the flat tokens); every layer runs its batched
+decode form on them and its prefill form on the sequences after them, in the same step. Layers never look up
 requests: the cache view attached to the batch knows where each sequence's KV pages and state slot are.
 """
 
@@ -24,14 +26,17 @@ class ModelCache(Protocol):
     def load_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Full history of sequence `seq` (prefix + new tokens): latent [L, r], rope key [L, dr], index key."""
 
-    def load_index_key(self, layer: int, seq: int) -> torch.Tensor:
-        """Index keys [L, Di] of sequence `seq`'s whole history (the DSA indexer reads all of them)."""
+    def decode_lengths(self) -> torch.Tensor:
+        """History length (prefix + the new token) of each decode row [D]."""
 
-    def load_kv_at(self, layer: int, seq: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent and rope key at the given history positions only (sparse decode reads just the top-k)."""
+    def decode_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows' histories padded to [D, L_max, r] latents and [D, L_max, dr] rope keys."""
 
-    def load_kv_padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Decode batches: every sequence's history padded to [B, L_max, ...], plus lengths [B]."""
+    def decode_index_keys(self, layer: int) -> torch.Tensor:
+        """Decode rows' index keys padded to [D, L_max, Di] (the DSA indexer reads all of them)."""
+
+    def decode_kv_at(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [D, k, r] and rope keys [D, k, dr] at history positions [D, k] only (sparse decode)."""
 
     def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KDA conv state [B, C, kernel-1] and recurrent state [B, H, K, V] (fp32) of every batch sequence."""
@@ -62,17 +67,20 @@ class ForwardBatch:
     # KDA layers also hand their states to `cache.store_state_snapshot` (None or [] = none).
     state_snapshots: list[list[int]] | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
+    _leading_single: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.extend_lens) != len(self.prefix_lens):
             raise ValueError("extend_lens and prefix_lens must have one entry per sequence")
-        starts, total = [], 0
+        starts, total, leading = [], 0, 0
         for n in self.extend_lens:
+            if n == 1 and leading == len(starts):
+                leading += 1
             starts.append(total)
             total += n
         if total != self.input_ids.shape[0]:
             raise ValueError(f"extend_lens sum to {total} but input_ids has {self.input_ids.shape[0]} tokens")
-        self._starts = starts
+        self._starts, self._leading_single = starts, leading
 
     @classmethod
     def single(cls, input_ids: torch.Tensor, prefix_len: int = 0, cache: ModelCache | None = None) -> ForwardBatch:
@@ -86,9 +94,14 @@ class ForwardBatch:
         return len(self.extend_lens)
 
     @property
+    def num_decode(self) -> int:
+        """Leading one-token sequences that take the decode forms (these need a cache to read history from)."""
+        return self._leading_single if self.cache is not None else 0
+
+    @property
     def is_decode(self) -> bool:
-        """Every sequence adds exactly one token: recurrent KDA and absorbed MLA paths apply batch-wide."""
-        return all(n == 1 for n in self.extend_lens)
+        """Every sequence is a decode row."""
+        return self.num_decode == self.num_seqs
 
     def seq_slice(self, seq: int) -> slice:
         start = self._starts[seq]

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from kestrel.config import ModelConfig, load_model_config
 from kestrel.models.decoder import CausalLM
+from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.weight_loaders import FULL, ShapeMismatch, loader_of
 
 log = logging.getLogger(__name__)
@@ -46,16 +47,27 @@ _EXPERT_TARGET = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "
 _EXPERT_TARGET |= {"up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
 
 
-def map_checkpoint_name(name: str) -> tuple[str, Any]:
-    """Checkpoint tensor name → (Kestrel parameter name, shard id)."""
+def map_checkpoint_name(name: str, fused: dict[str, tuple[str, Any]] | None = None) -> tuple[str, Any]:
+    """Checkpoint tensor name → (Kestrel parameter name, shard id); `fused` holds the `fused_names` aliases."""
     for pattern, repl in _RENAMES:
         name = pattern.sub(repl, name)
+    if fused and name in fused:
+        return fused[name]
     if m := _CONV.match(name):
         return f"{m.group(1)}.conv1d.weight", m.group(2)
     if m := _EXPERT.match(name):
         target, half = _EXPERT_TARGET[m.group(3)]
         return f"{m.group(1)}.{target}", (int(m.group(2)), half)
     return name, FULL
+
+
+def fused_names(model: nn.Module) -> dict[str, tuple[str, Any]]:
+    """Checkpoint names of the parts of every `FusedLinear` → (fused parameter name, part)."""
+    out: dict[str, tuple[str, Any]] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, FusedLinear):
+            out |= module.checkpoint_names(prefix)
+    return out
 
 
 @contextlib.contextmanager
@@ -108,6 +120,8 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
     unexpected: list[str] = []
     mismatched: list[str] = []
     n_layers = model.cfg.num_hidden_layers
+    fused = fused_names(model)
+    part_names = {target: name for name, target in fused.items()}
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=total < PROGRESS_BAR_MIN_BYTES) as bar:
         for file in files:
@@ -115,7 +129,7 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
                 for ckpt_name in f.keys():
                     if (m := _LAYER.match(ckpt_name)) and int(m.group(1)) >= n_layers:
                         continue  # e.g. DeepSeek's multi-token-prediction layer: not part of the decoder
-                    name, shard = map_checkpoint_name(ckpt_name)
+                    name, shard = map_checkpoint_name(ckpt_name, fused)
                     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                         continue
                     target = params.get(name)
@@ -141,7 +155,11 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
     for name, got in loaded.items():
         _, shards = loader_of(params[name])
         if not shards <= got:
-            lacking = sorted(map(str, shards - got))
+            lacking = sorted(shards - got, key=str)
+            if all((name, shard) in part_names for shard in lacking):  # name the checkpoint's own tensors
+                missing += [part_names[(name, shard)] for shard in lacking]
+                continue
+            lacking = [str(shard) for shard in lacking]
             missing.append(name if len(lacking) == len(shards) else f"{name} (shards {', '.join(lacking[:6])}...)")
     problems = []
     if missing:

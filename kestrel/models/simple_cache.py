@@ -41,18 +41,26 @@ class SimpleCache:
         latent, rope_key, index_key = self.kv[layer][seq]
         return latent, rope_key, index_key
 
-    def load_index_key(self, layer: int, seq: int):
-        return self.kv[layer][seq][2]
+    def _decode_entries(self, layer: int) -> list[list[torch.Tensor | None]]:
+        return [self.kv[layer][seq] for seq in range(self.batch.num_decode)]
 
-    def load_kv_at(self, layer: int, seq: int, positions):
-        latent, rope_key, _ = self.kv[layer][seq]
-        return latent[positions], rope_key[positions]
+    def decode_lengths(self) -> torch.Tensor:
+        entries = self._decode_entries(next(iter(self.kv)))
+        return torch.tensor([e[0].shape[0] for e in entries], device=entries[0][0].device)
 
-    def load_kv_padded(self, layer: int):
-        entries = [self.kv[layer][seq] for seq in range(self.batch.num_seqs)]
-        pad = lambda j: torch.nn.utils.rnn.pad_sequence([e[j] for e in entries], batch_first=True)  # noqa: E731
-        lengths = torch.tensor([e[0].shape[0] for e in entries], device=entries[0][0].device)
-        return pad(0), pad(1), pad(2) if entries[0][2] is not None else None, lengths
+    def _padded(self, layer: int, j: int) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence([e[j] for e in self._decode_entries(layer)], batch_first=True)
+
+    def decode_kv(self, layer: int):
+        return self._padded(layer, 0), self._padded(layer, 1)
+
+    def decode_index_keys(self, layer: int):
+        return self._padded(layer, 2)
+
+    def decode_kv_at(self, layer: int, positions):
+        entries = self._decode_entries(layer)
+        latent = torch.stack([e[0][p] for e, p in zip(entries, positions)])
+        return latent, torch.stack([e[1][p] for e, p in zip(entries, positions)])
 
     def load_state(self, layer: int):
         conv, rec = self.states[layer]

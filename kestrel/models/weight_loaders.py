@@ -50,6 +50,24 @@ def stacked_loader(index: dict[Any, int], parts: int) -> WeightLoader:
     return load
 
 
+def sized_parts_loader(parts: dict[str, int]) -> WeightLoader:
+    """Fused along dim 0 from named pieces of given sizes, in order (`FusedLinear`)."""
+    offsets, start = {}, 0
+    for name, size in parts.items():
+        offsets[name] = (start, start + size)
+        start += size
+
+    def load(param: torch.Tensor, tensor: torch.Tensor, shard: Any) -> None:
+        if shard == FULL:
+            return default_loader(param, tensor, shard)
+        lo, hi = offsets[shard]
+        dst = param.data[lo:hi]
+        _check(dst, tensor)
+        dst.copy_(tensor)
+
+    return load
+
+
 def expert_loader(halves: bool) -> WeightLoader:
     """Stacked experts [E, ...]: shard (e, None) for one expert, (e, 0|1) for the gate|up half of it."""
 

@@ -10,7 +10,7 @@ from kestrel.models.layers.rope import apply_rope_half
 
 
 class Indexer(nn.Module):
-    """Score(t, s) = Σ_h w_h · ReLU(D^-1/2 · q[t,h]·k[s]); one cached key per token (DESIGN §2)."""
+    """Score(t, s) = Σ_h w_h · ReLU(D^-1/2 · q[t,h]·k[s]); one cached key per token."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -18,9 +18,8 @@ class Indexer(nn.Module):
         self.rope_dim = cfg.qk_rope_head_dim if cfg.use_rope else 0
         q_in = cfg.q_lora_rank or cfg.hidden_size
         self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        # wk and weights_proj read x: they live in the attention layer's fused input projection.
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         if not self.rope_dim:
@@ -28,20 +27,20 @@ class Indexer(nn.Module):
         rot = apply_rope_half(x[..., : self.rope_dim], cos, sin)
         return torch.cat([rot, x[..., self.rope_dim :]], dim=-1)
 
-    def keys(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """Index keys [T, D] for the cache."""
-        return self._rotate(self.k_norm(self.wk(x)), cos, sin)
+    def keys(self, wk_out: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """Index keys [T, D] for the cache, from wk(x)."""
+        return self._rotate(self.k_norm(wk_out), cos, sin)
 
     def queries(
-        self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+        self, q_resid: torch.Tensor, weights_out: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index queries [T, H, D] and per-head weights [T, H] (fp32, already scaled by (H·D)^-1/2)."""
+        """Index queries [T, H, D] and per-head weights [T, H] (fp32, already scaled by (H·D)^-1/2) from
+        weights_proj(x)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
         q = self._rotate(q, cos, sin)
         # Both scales fold into the weights: ReLU is positively homogeneous, so w·ReLU(c·s) = (c·w)·ReLU(s)
         # and the [H, L] score tensor never takes an extra pass.
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads * self.head_dim) ** -0.5
-        return q, w
+        return q, weights_out.float() * (self.n_heads * self.head_dim) ** -0.5
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Index scores [n, L] of n queries against L cached keys (fp32, no causal mask)."""

@@ -9,14 +9,13 @@ mask all L), so a long history costs its index keys plus k latents.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.dsa import Indexer, causal_mask, topk_mask
+from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
 
@@ -33,65 +32,67 @@ class MLAAttention(nn.Module):
         self.rank = cfg.kv_lora_rank
         self.use_rope = cfg.use_rope
         qk = cfg.qk_head_dim
+        # Everything MLA (and its indexer) reads from x, in one matmul.
+        parts = {"q_a_proj": cfg.q_lora_rank} if cfg.q_lora_rank else {"q_proj": self.n_heads * qk}
+        parts["kv_a_proj_with_mqa"] = self.rank + self.rope_dim
+        if cfg.mla_use_output_gate:
+            parts["g_proj"] = self.n_heads * self.v_dim
+        if sparse:
+            parts |= {"indexer.wk": cfg.index_head_dim, "indexer.weights_proj": cfg.index_n_heads}
+        biased = frozenset({"q_a_proj", "kv_a_proj_with_mqa"} if cfg.attention_bias else ())
+        self.in_proj = FusedLinear(cfg.hidden_size, parts, biased & set(parts))
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * qk, bias=False)
-        else:
-            self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.rank + self.rope_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank)
         self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
-        self.g_proj = (
-            nn.Linear(cfg.hidden_size, self.n_heads * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
-        )
+        self.has_output_gate = cfg.mla_use_output_gate
         self.indexer = Indexer(cfg) if sparse else None
         self.scale = qk**-0.5 * (softmax_scale_mscale(cfg.rope) if cfg.use_rope else 1.0)
         # Set to a list to record (layer, causally masked index scores [n, L]) (tests compare selections).
         self.record_index_scores: list[torch.Tensor] | None = None
 
-    # -- projections ---------------------------------------------------------------------------------
-    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if hasattr(self, "q_a_proj"):
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
-            return self.q_b_proj(q_resid), q_resid
-        return self.q_proj(x), x
-
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, q_resid = self._queries(x)
+        proj = dict(zip(self.in_proj.parts, self.in_proj(x)))
+        if "q_a_proj" in proj:
+            q_resid = self.q_a_layernorm(proj["q_a_proj"])
+            q = self.q_b_proj(q_resid)
+        else:
+            q, q_resid = proj["q_proj"], x
         q = q.view(t, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent, rope_key = proj["kv_a_proj_with_mqa"].split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         if self.use_rope:
             q_rope = apply_rope_interleaved(q_rope, cos, sin)
             rope_key = apply_rope_interleaved(rope_key, cos, sin)
         index_key = index_q = index_w = None
         if self.indexer is not None:
-            # The indexer learns only from its distillation loss (selection is not differentiable): keep that
-            # loss from reaching the main model, as DeepSeek-V3.2 does.
-            ix, iq = (x.detach(), q_resid.detach()) if self.training else (x, q_resid)
-            index_key = self.indexer.keys(ix, cos, sin)
-            index_q, index_w = self.indexer.queries(iq, ix, cos, sin)
+            wk, w = proj["indexer.wk"], proj["indexer.weights_proj"]
+            iq = q_resid
+            if self.training:
+                # The indexer learns only from its distillation loss (selection is not differentiable): keep that
+                # loss from reaching the main model, as DeepSeek-V3.2 does.
+                wk, w = (self.in_proj.part(name, x.detach()) for name in ("indexer.wk", "indexer.weights_proj"))
+                iq = q_resid.detach()
+            index_key = self.indexer.keys(wk, cos, sin)
+            index_q, index_w = self.indexer.queries(iq, w, cos, sin)
         self.indexer_loss = None
         cache = batch.cache
         if cache is not None:
             cache.store_kv(self.layer_id, latent, rope_key, index_key)
-
-        if cache is not None and batch.is_decode and batch.num_seqs > 1:
-            out = self._decode_batched(q_nope, q_rope, index_q, index_w, cache, batch.prefix_lens)
-            return self._output(out, x)
+        nd = batch.num_decode
         outs = []
-        for seq in range(batch.num_seqs):
+        if nd:
+            iq_d, iw_d = (index_q[:nd], index_w[:nd]) if index_q is not None else (None, None)
+            outs.append(self._decode(q_nope[:nd], q_rope[:nd], iq_d, iw_d, cache, max(batch.prefix_lens[:nd]) + 1))
+        for seq in range(nd, batch.num_seqs):
             sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
             n = sl.stop - sl.start
-            if cache is not None and n == 1 and self._gathers(prefix + 1):
-                outs.append(self._decode_sparse(q_nope[sl], q_rope[sl], index_q[sl], index_w[sl], cache, [seq]))
-                continue
             if cache is not None:
                 hist_latent, hist_rope, hist_index = cache.load_kv(self.layer_id, seq)
             else:
@@ -108,13 +109,13 @@ class MLAAttention(nn.Module):
                 allowed = topk_mask(scores, allowed, self.indexer.topk)
             attend = self.attend_absorbed if n <= ABSORB_MAX_TOKENS else self.attend_naive
             outs.append(attend(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed))
-        return self._output(torch.cat(outs, dim=0), x)
+        return self._output(torch.cat(outs, dim=0), proj.get("g_proj"))
 
-    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Heads [T, H, dv] → optional output gate (K3) → o_proj."""
-        out = out.reshape(x.shape[0], self.n_heads * self.v_dim)
-        if self.g_proj is not None:
-            out = out * torch.sigmoid(self.g_proj(x))
+        out = out.reshape(out.shape[0], self.n_heads * self.v_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
     def _indexer_distill_loss(self, q_nope, q_rope, latent, rope_key, causal, index_scores) -> torch.Tensor:
@@ -133,48 +134,34 @@ class MLAAttention(nn.Module):
         """Whether a decode query over `history_len` tokens takes the gathered sparse form."""
         return self.indexer is not None and history_len > self.indexer.topk and not self.training
 
-    def _decode_batched(self, q_nope, q_rope, index_q, index_w, cache, prefix_lens: list[int]) -> torch.Tensor:
-        """All sequences of a decode batch at once, in latent space over padded histories. [B, H, dv]."""
-        if self._gathers(max(prefix_lens) + 1):
-            return self._decode_sparse(q_nope, q_rope, index_q, index_w, cache, range(len(prefix_lens)))
-        latent, rope_key, index_key, lengths = cache.load_kv_padded(self.layer_id)
-        length = latent.shape[1]
-        allowed = torch.arange(length, device=latent.device)[None, :] < lengths[:, None]  # [B, L]
-        if self.indexer is not None:
-            scores = self.indexer.scores_padded(index_q, index_w, index_key).masked_fill(~allowed, float("-inf"))
-            if self.record_index_scores is not None:
-                for b, n in enumerate(lengths.tolist()):
-                    self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
-            if length > self.indexer.topk:
-                idx = scores.topk(self.indexer.topk, dim=-1, sorted=False).indices
-                allowed = allowed & torch.zeros_like(allowed).scatter_(-1, idx, True)
-        return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
+    def _decode(self, q_nope, q_rope, index_q, index_w, cache, max_len: int) -> torch.Tensor:
+        """One new token for each decode row, all at once, in latent space over padded histories. [D, H, dv].
 
-    def _decode_sparse(self, q_nope, q_rope, index_q, index_w, cache, seqs) -> torch.Tensor:
-        """DSA decode of one new token per sequence in `seqs` (some history longer than top-k): score every
-        cached index key, gather the top-k latents / rope keys, attend over those k. Equals the masked form up to
-        summation order."""
-        reads = [self._history_reader(cache, seq) for seq in seqs]
-        keys = [index_key for index_key, _ in reads]
-        index_key = keys[0][None] if len(keys) == 1 else torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)
-        lengths = [k.shape[0] for k in keys]
-        positions = torch.arange(index_key.shape[1], device=index_key.device)
-        allowed = positions[None, :] < torch.tensor(lengths, device=index_key.device)[:, None]  # [B, L]
-        scores = self.indexer.scores_padded(index_q, index_w, index_key).masked_fill(~allowed, float("-inf"))
+        DSA rows whose history is longer than top-k read only the selected latents (the gathered form); the other
+        forms mask the padded history. Both equal the per-sequence masked form up to summation order.
+        """
+        lengths = cache.decode_lengths()
+        gathers = self._gathers(max_len)
+        latent = rope_key = None
+        if not gathers:
+            latent, rope_key = cache.decode_kv(self.layer_id)
+        if self.indexer is None:
+            allowed = torch.arange(latent.shape[1], device=latent.device)[None, :] < lengths[:, None]  # [D, L]
+            return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
+        keys = cache.decode_index_keys(self.layer_id)
+        allowed = torch.arange(keys.shape[1], device=keys.device)[None, :] < lengths[:, None]
+        scores = self.indexer.scores_padded(index_q, index_w, keys).masked_fill(~allowed, float("-inf"))
         if self.record_index_scores is not None:
-            for b, n in enumerate(lengths):
+            for b, n in enumerate(lengths.tolist()):
                 self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
-        idx = scores.topk(self.indexer.topk, dim=-1, sorted=False).indices  # [B, k]
-        selected = allowed.gather(1, idx)  # False only on the padding picked for histories shorter than k
-        idx = idx.masked_fill(~selected, 0)
-        kv = [read(idx[b]) for b, (_, read) in enumerate(reads)]
-        latent, rope_key = torch.stack([c for c, _ in kv]), torch.stack([r for _, r in kv])
-        return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
-
-    def _history_reader(self, cache, seq: int):
-        """Sequence `seq`'s index keys [L, Di] and a reader of its latents / rope keys at given positions, so the
-        unselected latents are never copied."""
-        return cache.load_index_key(self.layer_id, seq), functools.partial(cache.load_kv_at, self.layer_id, seq)
+        if keys.shape[1] > self.indexer.topk:
+            idx = scores.topk(self.indexer.topk, dim=-1, sorted=False).indices  # [D, k]
+            if gathers:
+                selected = allowed.gather(1, idx)  # False only on padding picked for histories shorter than k
+                latent, rope_key = cache.decode_kv_at(self.layer_id, idx.masked_fill(~selected, 0))
+                return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
+            allowed = allowed & torch.zeros_like(allowed).scatter_(-1, idx, True)
+        return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
 
     def _attend_latent_padded(self, q_nope, q_rope, latent, rope_key, allowed) -> torch.Tensor:
         """Absorbed attention of one query per sequence over its own keys: latents [B, L, r], allowed [B, L]."""

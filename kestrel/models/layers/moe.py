@@ -7,8 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
+from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.weight_loaders import expert_loader, set_loader
+
+# Up to this many (token, expert) pairs, gathering each pair's weights beats a loop over experts.
+GATHERED_MAX_PAIRS = 16
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -35,13 +39,12 @@ class GatedActivation:
 class DenseMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = GatedActivation(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(*self.gate_up_proj(x)))
 
 
 class Router(nn.Module):
@@ -85,7 +88,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts as two stacked weights (fused gate|up and down), run expert by expert."""
+    """All routed experts as two stacked weights (fused gate|up and down), run as a grouped computation.
+
+    Few (token, expert) pairs (decode): gather each pair's expert weights and run two batched matmuls. Many:
+    sort the pairs by expert and run one GEMM per expert over its contiguous segment.
+    """
 
     def __init__(self, cfg: ModelConfig, hidden: int) -> None:
         super().__init__()
@@ -97,20 +104,34 @@ class Experts(nn.Module):
         self.act = GatedActivation(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if ids.numel() <= GATHERED_MAX_PAIRS and not torch.is_grad_enabled():
+            return self._gathered(x, ids, weights)
+        return self._segments(x, ids, weights)
+
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, D, 1]
+        gate, up = torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[flat], self.act(gate, up)[:, :, None]).view(t, k, -1)
+        return (y * weights[:, :, None]).sum(1).to(x.dtype)
+
+    def _segments(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
         token_of = order // ids.shape[1]
         weight_of = weights.reshape(-1)[order]
+        xs = x[token_of]  # rows grouped by expert, gathered once
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            seg = slice(start, start + count)
+            gate, up = F.linear(xs[seg], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(self.act(gate, up), self.down_proj[expert])
-            out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
+            out.index_add_(0, token_of[seg], (y * weight_of[seg, None]).to(out.dtype))
             start += count
         return out
 

@@ -1,0 +1,53 @@
+"""Several projections of the same input as one matmul, loaded from the checkpoint's separate tensors.
+
+A decode step of a small model is bound by op launches, not flops: KDA reads x through seven projections and MLA
+through up to five. `FusedLinear` stacks their weights along the output dimension; the checkpoint keeps its real
+names (`q_proj.weight`, `kv_a_proj_with_mqa.weight`, ...), which the loader maps to shards of the fused weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.models.weight_loaders import set_loader, sized_parts_loader
+
+
+class FusedLinear(nn.Linear):
+    """y = x Wᵀ for W = [W_part1; W_part2; ...]; `forward` returns the parts split apart.
+
+    `parts` maps each part's name relative to the parent module (e.g. "q_proj", "indexer.wk") to its output size.
+    Parts listed in `biased` also load a bias; the others' bias rows stay zero.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], biased: frozenset[str] = frozenset()) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bool(biased))
+        self.parts = dict(parts)
+        self.sizes = list(parts.values())
+        set_loader(self.weight, sized_parts_loader(self.parts), set(parts))
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()  # skip_init leaves memory uninitialised; unbiased parts must read zero
+            set_loader(self.bias, sized_parts_loader(self.parts), set(biased))
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """All parts side by side [..., sum of sizes] (callers that split differently)."""
+        return super().forward(x)
+
+    def part(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """One part alone (e.g. on a detached input, where only that part's gradient path must change)."""
+        lo = sum(self.sizes[: list(self.parts).index(name)])
+        bias = self.bias[lo : lo + self.parts[name]] if self.bias is not None else None
+        return F.linear(x, self.weight[lo : lo + self.parts[name]], bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return self.fused(x).split(self.sizes, dim=-1)
+
+    def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, str]]:
+        """Checkpoint tensor name → (fused parameter name, shard) for a module named `prefix` (loader aliases)."""
+        parent = prefix.rsplit(".", 1)[0]
+        out = {f"{parent}.{part}.weight": (f"{prefix}.weight", part) for part in self.parts}
+        if self.bias is not None:
+            out |= {f"{parent}.{part}.bias": (f"{prefix}.bias", part) for part in self.bias.weight_shards}
+        return out
