@@ -360,6 +360,10 @@ class EngineConfig:
     hicache_size: float = 0.0
     hicache_storage_dir: str | None = None
     hicache_write_policy: str = "write_through"
+    # Compiled decode step: torch.compile (inductor) over padded batch-size buckets; CUDA graphs on CUDA.
+    compile: bool = False
+    compile_max_bs: int = 8
+    cuda_graph_max_bs: int = 32
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, why: str) -> None:
@@ -381,6 +385,8 @@ class EngineConfig:
         )
         need(self.max_states_per_path >= -1, "max_states_per_path", "must be >= 0, or -1 for unlimited")
         need(self.max_state_checkpoints is None or self.max_state_checkpoints >= 0, "max_state_checkpoints", ">= 0")
+        need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")
+        need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
         need(
             self.hicache_write_policy in ("write_through", "write_through_selective", "write_back"),

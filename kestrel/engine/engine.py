@@ -86,7 +86,14 @@ class Engine:
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots) if num_slots else None
-        self.runner = ModelRunner(self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype])
+        compile_max_bs = 0
+        if config.compile:
+            compile_max_bs = config.cuda_graph_max_bs if self.device.type == "cuda" else config.compile_max_bs
+        self.runner = ModelRunner(
+            self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype], compile_max_bs
+        )
+        if self.runner.compiled is not None:
+            self.runner.compiled.warm_up()
         self.hicache: HiCache | None = None
         self.cache: RadixCache | None = None
         if config.enable_prefix_caching:

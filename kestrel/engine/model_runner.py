@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kestrel.cache.kv_pool import KVStorage
 from kestrel.cache.state_pool import StateStorage
+from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
@@ -52,6 +53,9 @@ class PagedCacheView:
     def decode_lengths(self):
         return self.history_lens[: self.decode_slots.shape[0]]
 
+    def decode_width(self):
+        return self.decode_slots.shape[1]
+
     def decode_kv(self, layer):
         return self.kv.latent[layer][self.decode_slots], self.kv.rope_key[layer][self.decode_slots]
 
@@ -86,59 +90,111 @@ def chunk_tokens(prompt: list[int], output: list[int], start: int, n: int) -> li
 
 
 @dataclass
+class StepInputs:
+    """The integers of one step, gathered per sequence before they become tensors."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seq_of: list[int] = field(default_factory=list)  # sequence index of every token
+    extend_lens: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    history_lens: list[int] = field(default_factory=list)
+    pages: list[list[int]] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    snapshots: list[list[int]] = field(default_factory=list)
+    snapshot_slots: list[list[int]] = field(default_factory=list)
+
+    def add(
+        self, ids: list[int], start: int, pages: list[int], slot: int, samples: bool, snaps: list[int], snap_slots
+    ) -> None:
+        n, seq = len(ids), len(self.extend_lens)
+        self.ids += ids
+        self.positions += range(start, start + n)
+        self.seq_of += [seq] * n
+        self.extend_lens.append(n)
+        self.prefix_lens.append(start)
+        self.history_lens.append(start + n)
+        self.pages.append(pages)
+        self.state_slots.append(slot)
+        if samples:
+            self.sample_rows.append(len(self.ids) - 1)
+        self.snapshots.append(snaps)
+        self.snapshot_slots.append(snap_slots)
+
+
+@dataclass
 class StepLogits:
     sample: torch.Tensor  # [num sampling chunks, V] fp32, in plan order
     prompt: dict[int, torch.Tensor]  # chunk index -> [n, V] logits of every row (prompt logprobs)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_pages: int, page_size: int, num_slots: int, kv_dtype: torch.dtype):
+    def __init__(
+        self,
+        model: CausalLM,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        kv_dtype: torch.dtype,
+        compile_max_bs: int = 0,
+    ) -> None:
         self.model, self.page_size = model, page_size
         cfg, device = model.cfg, model.device
         self.device = device
-        self.kv = KVStorage(cfg, num_pages, page_size, kv_dtype, device)
-        self.states = StateStorage(cfg, num_slots, model.dtype, device) if cfg.kda_layers else None
+        # One page and one state slot past what the allocators hand out: padding rows of a compiled decode
+        # step read and write only there.
+        self.scratch_page, self.scratch_slot = num_pages, num_slots
+        self.kv = KVStorage(cfg, num_pages + 1, page_size, kv_dtype, device)
+        self.states = StateStorage(cfg, num_slots + 1, model.dtype, device) if cfg.kda_layers else None
         self._offsets = torch.arange(page_size, device=device)
+        self.compiled = CompiledDecode(self, compile_max_bs) if compile_max_bs > 0 else None
 
-    def prepare(self, plan: SchedulePlan) -> tuple[ForwardBatch, torch.Tensor]:
-        """One ForwardBatch for the plan, plus the rows whose logits are sampled.
+    def prepare(self, plan: SchedulePlan, pad_to: int = 0) -> tuple[ForwardBatch, torch.Tensor, list[tuple[int, int]]]:
+        """One ForwardBatch for the plan, the rows whose logits are sampled, and the state-slot copies to make
+        after the forward (a decode row's checkpoint is its state after the step).
 
-        Every integer the step needs (token ids, positions, page table, state slots, sampled rows) is gathered into
-        one Python list and becomes one tensor, copied to the device once.
+        `pad_to` > len(plan.chunks) adds decode rows on the scratch page and slot (a compiled batch-size bucket).
         """
-        ps, chunks = self.page_size, plan.chunks
-        ids: list[int] = []
-        positions: list[int] = []
-        seq_of: list[int] = []
-        hist, extend, prefix, sample_rows = [], [], [], []
-        for i, c in enumerate(chunks):
+        inputs = StepInputs()
+        nd = 0
+        for i, c in enumerate(plan.chunks):
             req, start, n = c.request, c.start, c.num_tokens
-            ids += chunk_tokens(req.prompt_ids, req.output_ids, start, n)
-            positions += range(start, start + n)
-            seq_of += [i] * n
-            hist.append(start + n)
-            extend.append(n)
-            prefix.append(start)
-            if c.samples:
-                sample_rows.append(len(ids) - 1)
-        width = -(-max(hist) // ps)
-        table = [0] * (len(chunks) * width)
-        for i, c in enumerate(chunks):
-            used = -(-hist[i] // ps)
-            table[i * width : i * width + used] = c.request.pages[:used]
-        slots = [c.request.slot if c.request.slot is not None else 0 for c in chunks]
-        t, b = len(ids), len(chunks)
-        meta = torch.tensor(ids + positions + seq_of + table + slots + hist + sample_rows, dtype=torch.long)
-        meta = meta.to(self.device, non_blocking=True)
-        ids_t, pos_t, seq_t, table_t, slots_t, hist_t, rows_t = meta.split([t, t, t, b * width, b, b, len(sample_rows)])
-        slot_table = (table_t.view(b, width, 1) * ps + self._offsets).view(b, width * ps)
+            nd += n == 1 and nd == i
+            snaps = c.snapshots if nd <= i else []  # decode rows' snapshots become slot copies
+            inputs.add(
+                chunk_tokens(req.prompt_ids, req.output_ids, start, n),
+                start,
+                req.pages,
+                req.slot if req.slot is not None else 0,
+                c.samples,
+                [m for m, _, _ in snaps],
+                [slot for _, slot, _ in snaps],
+            )
+        copies = [(c.request.slot, slot) for c in plan.chunks[:nd] for _, slot, _ in c.snapshots]
+        for _ in range(len(plan.chunks), pad_to):
+            inputs.add([0], 0, [self.scratch_page], self.scratch_slot, False, [], [])
         if self.states is not None and plan.fresh_slots:
             self.states.reset(plan.fresh_slots)
-        batch = ForwardBatch(input_ids=ids_t, positions=pos_t, extend_lens=extend, prefix_lens=prefix)
-        snapshot_slots = None
-        if any(c.snapshots for c in chunks):
-            batch.state_snapshots = [[m for m, _, _ in c.snapshots] for c in chunks]
-            snapshot_slots = [[slot for _, slot, _ in c.snapshots] for c in chunks]
+        batch, rows = self.build(inputs)
+        return batch, rows, copies
+
+    def build(self, inputs: StepInputs) -> tuple[ForwardBatch, torch.Tensor]:
+        """Lists → one metadata tensor (copied to the device once) → ForwardBatch with its paged cache view."""
+        ps, hist, b = self.page_size, inputs.history_lens, len(inputs.history_lens)
+        width = -(-max(hist) // ps)
+        table = [self.scratch_page] * (b * width)
+        for i, pages in enumerate(inputs.pages):
+            used = -(-hist[i] // ps)
+            table[i * width : i * width + used] = pages[:used]
+        t, rows = len(inputs.ids), inputs.sample_rows
+        flat = inputs.ids + inputs.positions + inputs.seq_of + table + inputs.state_slots + hist + rows
+        meta = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
+        ids_t, pos_t, seq_t, table_t, slots_t, hist_t, rows_t = meta.split([t, t, t, b * width, b, b, len(rows)])
+        slot_table = (table_t.view(b, width, 1) * ps + self._offsets).view(b, width * ps)
+        batch = ForwardBatch(ids_t, pos_t, inputs.extend_lens, inputs.prefix_lens)
+        if any(inputs.snapshots):
+            batch.state_snapshots = inputs.snapshots
         batch.cache = PagedCacheView(
             self.kv,
             self.states,
@@ -148,7 +204,7 @@ class ModelRunner:
             batch._leading_single,
             slot_table[seq_t, pos_t],
             slots_t,
-            snapshot_slots,
+            inputs.snapshot_slots,
         )
         return batch, rows_t
 
@@ -175,10 +231,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
-        batch, rows = self.prepare(plan)
-        if routed or any(c.request.routed_experts is not None for c in plan.chunks):
+        routed = routed or any(c.request.routed_experts is not None for c in plan.chunks)
+        bucket = self.compiled.bucket_for(plan) if self.compiled is not None and not routed else 0
+        batch, rows, copies = self.prepare(plan, pad_to=bucket)
+        if routed:
             batch.routed_experts = {}
-        hidden = self.model(batch)
+        hidden = self.compiled(batch) if bucket else self.model(batch)
+        for src, dst in copies:
+            self.states.copy(src, dst)
         if batch.routed_experts:
             _record_routed_experts(plan, batch, rows)
         sample = self.model.logits(hidden[rows])

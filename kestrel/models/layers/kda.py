@@ -93,9 +93,6 @@ class KDAAttention(nn.Module):
             outs.append(o)
             convs.append(conv_d)
             recs.append(rec_d)
-            for seq, offsets in enumerate((batch.state_snapshots or [])[:nd]):
-                for j in range(len(offsets)):  # one new token: a snapshot can only be the state after it
-                    cache.store_state_snapshot(self.layer_id, seq, j, conv_d[seq], rec_d[seq])
         for seq in range(nd, batch.num_seqs):
             o, conv_s, rec_s = self.prefill(mixed, g, beta, batch, seq, conv_state[seq], rec_state[seq])
             outs.append(o)
@@ -114,7 +111,10 @@ class KDAAttention(nn.Module):
         return o[:, 0], window[:, :, 1:], rec_state
 
     def prefill(self, mixed, g, beta, batch: ForwardBatch, seq: int, conv_state, rec_state):
-        """One sequence's new tokens from its states; also hands the states at its snapshot offsets to the cache."""
+        """One sequence's new tokens from its states; also hands the states at its snapshot offsets to the cache.
+
+        (A decode row's only snapshot is the state after its token: the runner copies that slot after the step.)
+        """
         sl, keep = batch.seq_slice(seq), self.kernel - 1
         full = torch.cat([conv_state.to(mixed.dtype), mixed[sl].t()], dim=-1)  # [3C, keep + n]
         conv_out = F.conv1d(full[None], self.conv1d.weight, groups=self.conv_dim)[0].t()  # [n, 3C]

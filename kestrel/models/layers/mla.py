@@ -81,7 +81,8 @@ class MLAAttention(nn.Module):
                 iq = q_resid.detach()
             index_key = self.indexer.keys(wk, cos, sin)
             index_q, index_w = self.indexer.queries(iq, w, cos, sin)
-        self.indexer_loss = None
+        if self.training:
+            self.indexer_loss = None
         cache = batch.cache
         if cache is not None:
             cache.store_kv(self.layer_id, latent, rope_key, index_key)
@@ -89,7 +90,7 @@ class MLAAttention(nn.Module):
         outs = []
         if nd:
             iq_d, iw_d = (index_q[:nd], index_w[:nd]) if index_q is not None else (None, None)
-            outs.append(self._decode(q_nope[:nd], q_rope[:nd], iq_d, iw_d, cache, max(batch.prefix_lens[:nd]) + 1))
+            outs.append(self._decode(q_nope[:nd], q_rope[:nd], iq_d, iw_d, cache))
         for seq in range(nd, batch.num_seqs):
             sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
             n = sl.stop - sl.start
@@ -134,14 +135,15 @@ class MLAAttention(nn.Module):
         """Whether a decode query over `history_len` tokens takes the gathered sparse form."""
         return self.indexer is not None and history_len > self.indexer.topk and not self.training
 
-    def _decode(self, q_nope, q_rope, index_q, index_w, cache, max_len: int) -> torch.Tensor:
+    def _decode(self, q_nope, q_rope, index_q, index_w, cache) -> torch.Tensor:
         """One new token for each decode row, all at once, in latent space over padded histories. [D, H, dv].
 
         DSA rows whose history is longer than top-k read only the selected latents (the gathered form); the other
         forms mask the padded history. Both equal the per-sequence masked form up to summation order.
         """
+        # Histories are padded to the longest one; only tensor shapes are read, so a compiled step keeps one graph.
         lengths = cache.decode_lengths()
-        gathers = self._gathers(max_len)
+        gathers = self._gathers(cache.decode_width())
         latent = rope_key = None
         if not gathers:
             latent, rope_key = cache.decode_kv(self.layer_id)

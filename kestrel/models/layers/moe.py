@@ -12,7 +12,7 @@ from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.weight_loaders import expert_loader, set_loader
 
 # Up to this many (token, expert) pairs, gathering each pair's weights beats a loop over experts.
-GATHERED_MAX_PAIRS = 16
+GATHERED_MAX_PAIRS = 0
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -24,6 +24,13 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
     return (act * u).to(gate.dtype)
 
 
+def gated_act(gate: torch.Tensor, up: torch.Tensor, kind: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """act(gate, up) for `hidden_act` `kind` (SiTU's betas are ignored for SiLU)."""
+    if kind == "situ":
+        return situ(gate, up, beta, linear_beta)
+    return F.silu(gate) * up
+
+
 class GatedActivation:
     """act(gate, up) for the configured `hidden_act`."""
 
@@ -31,9 +38,7 @@ class GatedActivation:
         self.kind, self.beta, self.linear_beta = cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.kind == "situ":
-            return situ(gate, up, self.beta, self.linear_beta)
-        return F.silu(gate) * up
+        return gated_act(gate, up, self.kind, self.beta, self.linear_beta)
 
 
 class DenseMLP(nn.Module):
@@ -104,9 +109,16 @@ class Experts(nn.Module):
         self.act = GatedActivation(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if ids.numel() <= GATHERED_MAX_PAIRS and not torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            return expert_segments(x, ids, weights, self.gate_up_proj, self.down_proj, *self.act_args)
+        if ids.numel() <= GATHERED_MAX_PAIRS:
             return self._gathered(x, ids, weights)
-        return self._segments(x, ids, weights)
+        # An opaque op: a compiled decode step keeps its one graph around the data-dependent loop over experts.
+        return torch.ops.kestrel.expert_segments(x, ids, weights, self.gate_up_proj, self.down_proj, *self.act_args)
+
+    @property
+    def act_args(self) -> tuple[str, float, float]:
+        return self.act.kind, float(self.act.beta or 0.0), float(self.act.linear_beta or 0.0)
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
@@ -116,24 +128,40 @@ class Experts(nn.Module):
         y = torch.bmm(self.down_proj[flat], self.act(gate, up)[:, :, None]).view(t, k, -1)
         return (y * weights[:, :, None]).sum(1).to(x.dtype)
 
-    def _segments(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of = order // ids.shape[1]
-        weight_of = weights.reshape(-1)[order]
-        xs = x[token_of]  # rows grouped by expert, gathered once
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            seg = slice(start, start + count)
-            gate, up = F.linear(xs[seg], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate, up), self.down_proj[expert])
-            out.index_add_(0, token_of[seg], (y * weight_of[seg, None]).to(out.dtype))
-            start += count
-        return out
+
+def expert_segments(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: str,
+    beta: float,
+    linear_beta: float,
+) -> torch.Tensor:
+    """Sort the (token, expert) pairs by expert; one GEMM pair per expert over its contiguous segment."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    weight_of = weights.reshape(-1)[order]
+    xs = x[token_of]  # rows grouped by expert, gathered once
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        seg = slice(start, start + count)
+        gate, up = F.linear(xs[seg], gate_up_proj[expert]).chunk(2, dim=-1)
+        y = F.linear(gated_act(gate, up, act, beta, linear_beta or None), down_proj[expert])
+        out.index_add_(0, token_of[seg], (y * weight_of[seg, None]).to(out.dtype))
+        start += count
+    return out
+
+
+torch.library.custom_op("kestrel::expert_segments", mutates_args=())(expert_segments).register_fake(
+    lambda x, *args: torch.empty_like(x)
+)
 
 
 class MoE(nn.Module):
