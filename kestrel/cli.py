@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.server.args import add_server_args
 
 

@@ -16,7 +16,7 @@ from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request

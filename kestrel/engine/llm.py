@@ -6,7 +6,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
 
