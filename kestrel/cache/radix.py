@@ -18,29 +18,17 @@ import hashlib
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from kestrel.cache.kv_pool import PageAllocator
+from kestrel.cache.pool_io import CacheIO
 from kestrel.cache.state_pool import SlotAllocator
 
 if TYPE_CHECKING:
     from kestrel.cache.hicache import DiskHit, HiCache, HostCopy
     from kestrel.engine.request import Request
-
-
-class CacheIO(Protocol):
-    """The tensor side of the cache (the model runner's pools)."""
-
-    def copy_state(self, src: int, dst: int) -> None: ...
-    def gather_pages(self, pages: list[int]) -> torch.Tensor: ...
-    def scatter_pages(self, pages: list[int], packed: torch.Tensor) -> None: ...
-    def gather_state(self, slot: int) -> dict[str, torch.Tensor]: ...
-    def scatter_state(self, slot: int, state: dict[str, torch.Tensor]) -> None: ...
-
-    @property
-    def packed_bytes_per_token(self) -> int: ...
 
 
 def chain_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:

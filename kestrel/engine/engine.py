@@ -14,6 +14,7 @@ import torch
 
 from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
+from kestrel.cache.pool_io import PoolIO
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
 from kestrel.engine.config import EngineConfig
@@ -98,7 +99,7 @@ class Engine:
             self.cache = RadixCache(
                 self.pages,
                 self.slots,
-                self.runner,
+                PoolIO(self.runner.kv, self.runner.states, config.page_size),
                 config.state_track_interval,
                 config.max_states_per_path,
                 self.hicache,
