@@ -44,11 +44,10 @@ def _assert_all_freed(llm: LLM) -> None:
     engine = llm.engine
     stats = engine.stats()
     assert stats["pages_used"] == 0 and stats["slots_used"] == 0 and stats["running"] == stats["waiting"] == 0
-    if engine.cache is not None:
-        engine.cache.check_counters()
-        engine.cache.clear()
-        engine.cache.check_counters()
-    assert engine.pages.num_used == 0 and (engine.slots is None or engine.slots.num_used == 0)
+    engine.cache.check_counters()
+    engine.cache.clear()
+    engine.cache.check_counters()
+    assert engine.pages.num_used == 0 and engine.slots.num_used == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)

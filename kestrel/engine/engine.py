@@ -15,6 +15,7 @@ import torch
 from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.pool_io import PoolIO
+from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
 from kestrel.engine.config import EngineConfig
@@ -86,10 +87,10 @@ class Engine:
         num_slots = self._num_slots()
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
-        self.slots = SlotAllocator(num_slots) if num_slots else None
+        self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers
         self.runner = ModelRunner(self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype])
         self.hicache: HiCache | None = None
-        self.cache: RadixCache | None = None
+        self.cache: RadixCache | NoPrefixCache = NoPrefixCache(self.pages, self.slots)
         if config.enable_prefix_caching:
             namespace = model_fingerprint(path, config)
             if config.hicache_size > 0 or config.hicache_storage_dir:
@@ -109,11 +110,11 @@ class Engine:
         self.scheduler = Scheduler(
             self.pages,
             self.slots,
+            self.cache,
             config.max_running_requests,
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
             eos,
-            self.cache,
         )
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
@@ -286,17 +287,16 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counts; pages and slots the prefix cache could evict at once are reported apart from "used"."""
-        cached_pages = self.cache.evictable_pages() if self.cache is not None else 0
-        checkpoints = self.cache.device_checkpoints() if self.cache is not None else 0
+        checkpoints = self.cache.device_checkpoints()
         out = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "pages_used": self.pages.num_used - cached_pages,
+            "pages_used": self.pages.num_used - self.cache.evictable_pages(),
             "pages_total": self.pages.num_pages,
-            "slots_used": (self.slots.num_used if self.slots else 0) - checkpoints,
+            "slots_used": self.slots.num_used - checkpoints,
             "computed_tokens": self.scheduler.num_computed_tokens,
         }
-        if self.cache is not None:
+        if self.config.enable_prefix_caching:
             out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
             out["prefix_cache_pages"] = self.cache.device_pages()
             out["prefix_cache_checkpoints"] = self.cache.device_checkpoints()
@@ -309,8 +309,7 @@ class Engine:
 
     def close(self) -> None:
         """Write back what only memory holds (write_back policy) so the disk tier survives a restart."""
-        if self.hicache is not None:
-            self.hicache.flush()
+        self.cache.flush()
 
 
 def model_fingerprint(path: Path, config: EngineConfig) -> str:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from kestrel.cache.kv_pool import PageAllocator
+from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator
 from kestrel.engine.request import Request, RequestStatus
@@ -52,12 +53,12 @@ class Scheduler:
     def __init__(
         self,
         pages: PageAllocator,
-        slots: SlotAllocator | None,
+        slots: SlotAllocator,
+        cache: RadixCache | NoPrefixCache,
         max_running_requests: int,
         max_num_batched_tokens: int,
         chunked_prefill_size: int,
         eos_token_ids: list[int],
-        cache: RadixCache | None = None,
     ) -> None:
         self.pages, self.slots, self.cache = pages, slots, cache
         self.max_running = max_running_requests
@@ -86,28 +87,31 @@ class Scheduler:
         return hit
 
     def _release(self, req: Request) -> None:
-        if self.cache is not None:
-            self.cache.release(req)
-        elif req.pages:
-            self.pages.free(req.pages)
-            req.pages = []
+        self.cache.release(req.pages, req.cache_node)
+        req.pages, req.cache_node, req.cache_len = [], None, 0
         for slot in (req.slot, req.tail_slot):
-            if slot is not None and self.slots is not None:
+            if slot is not None:
                 self.slots.free(slot)
         req.slot = req.tail_slot = None
+
+    def _commit(self, req: Request, length: int, checkpoint: int | None = None) -> None:
+        got = self.cache.commit(req.all_ids, req.pages, length, req.cache_node, checkpoint)
+        req.pages, req.cache_node, req.cache_len = got.pages, got.node, got.length
+
+    def _commit_full_pages(self, req: Request) -> None:
+        """Without KDA any page boundary is reusable: commit up to the last full computed page."""
+        aligned = req.computed_len // self.pages.page_size * self.pages.page_size
+        if aligned > req.cache_len:
+            self._commit(req, aligned)
 
     def _commit_final(self, req: Request) -> None:
         """Give a leaving request's computed prefix to the cache: up to its tail checkpoint (KDA) or its last
         full page (attention-only models)."""
-        if self.cache is None:
-            return
-        if self.slots is None:
-            aligned = req.computed_len // self.pages.page_size * self.pages.page_size
-            if aligned > req.cache_len:
-                self.cache.commit(req, aligned)
+        if not self.cache.has_state:
+            self._commit_full_pages(req)
         elif req.tail_slot is not None:
             if req.tail_len > req.cache_len:
-                self.cache.commit(req, req.tail_len, req.tail_slot)
+                self._commit(req, req.tail_len, req.tail_slot)
             else:
                 self.slots.free(req.tail_slot)
             req.tail_slot = None
@@ -139,17 +143,11 @@ class Scheduler:
         index = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(index, req)
 
-    def _alloc_pages(self, n: int) -> list[int] | None:
-        return self.cache.alloc_pages(n) if self.cache is not None else self.pages.alloc(n)
-
-    def _alloc_slot(self) -> int | None:
-        return self.cache.alloc_slot() if self.cache is not None else self.slots.alloc()
-
     def _reserve(self, req: Request, total_tokens: int) -> bool:
         extra = self.pages.pages_for(total_tokens) - len(req.pages)
         if extra <= 0:
             return True
-        got = self._alloc_pages(extra)
+        got = self.cache.alloc_pages(extra)
         if got is None:
             return False
         req.pages.extend(got)
@@ -171,12 +169,12 @@ class Scheduler:
             if chunk.samples and last == end and last - ps > max(start, req.cache_len):
                 commit.add(last - ps)
         for pos in sorted(commit):
-            slot = self._alloc_slot()
+            slot = self.cache.alloc_slot()
             if slot is not None:
                 chunk.snapshots.append((pos - start, slot, True))
         if chunk.num_tokens == 1 and end % ps == 0 and end not in commit and end > req.cache_len:
             if req.tail_slot is None:
-                req.tail_slot = self._alloc_slot()
+                req.tail_slot = self.cache.alloc_slot()
             if req.tail_slot is not None:
                 chunk.snapshots.append((1, req.tail_slot, False))
 
@@ -213,18 +211,20 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            slot = None
-            if self.slots is not None:
-                slot = self._alloc_slot()
-                if slot is None:
+            if self.cache.has_state:
+                req.slot = self.cache.alloc_slot()
+                if req.slot is None:
                     break
-            req.slot = slot
             # Prompt logprobs need every prompt row computed, so such requests skip the match (as in vLLM);
             # what they compute is still committed for the requests after them.
-            reuse = self.cache is not None and req.params.prompt_logprobs is None
-            if reuse and not self.cache.acquire(req, self.cache.match(req.all_ids)):
-                self._unadmit(req)
-                break
+            if req.params.prompt_logprobs is None:
+                got = self.cache.acquire(req.all_ids, self.cache.match(req.all_ids), req.slot, len(req.prompt_ids))
+                if got is None:
+                    self._unadmit(req)
+                    break
+                req.pages, req.cache_node, req.cache_len = got.pages, got.node, got.length
+                req.computed_len = req.cached_tokens = got.length
+                req.cache_hits = got.hits_by_tier
             need = req.num_tokens - req.computed_len
             n = min(need, self.chunk_cap, budget)
             if n < need and self.chunk_cap == math.inf:
@@ -238,8 +238,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if slot is not None and req.computed_len == 0:
-                plan.fresh_slots.append(slot)
+            if req.slot is not None and req.computed_len == 0:
+                plan.fresh_slots.append(req.slot)
             plan.chunks.append(ScheduledChunk(req, req.computed_len, n))
             budget -= n
         self._finalize(plan)
@@ -255,7 +255,7 @@ class Scheduler:
         for chunk in plan.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.num_computed_tokens += chunk.num_tokens
-            if self.cache is not None and self.slots is not None:
+            if self.cache.takes_checkpoints:
                 self._plan_snapshots(chunk)
 
     def update(self, plan: SchedulePlan, sampled: SamplerOutput) -> list[Request]:
@@ -282,18 +282,14 @@ class Scheduler:
 
     def _cache_chunk(self, chunk: ScheduledChunk) -> None:
         """After a step: commit the chunk's checkpoints (or, without KDA, its full pages) to the cache."""
-        if self.cache is None:
-            return
         req = chunk.request
         for offset, slot, commit in chunk.snapshots:
             if commit:
-                self.cache.commit(req, chunk.start + offset, slot)
+                self._commit(req, chunk.start + offset, slot)
             else:
                 req.tail_len = chunk.start + offset
-        if self.slots is None and chunk.num_tokens > 1:
-            aligned = req.computed_len // self.pages.page_size * self.pages.page_size
-            if aligned > req.cache_len:
-                self.cache.commit(req, aligned)
+        if not self.cache.has_state and chunk.num_tokens > 1:
+            self._commit_full_pages(req)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.params
