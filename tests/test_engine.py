@@ -76,10 +76,10 @@ def test_requests_arriving_while_others_decode(family, tiny_checkpoints):
     for i, p in enumerate(prompts):
         ids.append(engine.add_request(p, _greedy(8)))
         for _ in range(2 + i):
-            for out in engine.step():
+            for out in engine.step().finished:
                 results[out.request_id] = out
     while engine.has_unfinished:
-        for out in engine.step():
+        for out in engine.step().finished:
             results[out.request_id] = out
     _assert_matches_reference(llm, prompts, [results[i] for i in ids], 8)
     _assert_all_freed(llm)

@@ -1,4 +1,7 @@
-"""The step loop: schedule → one forward for every running request → sample → update."""
+"""The step loop: schedule → one forward for every running request → sample → advance → outputs.
+
+The engine owns what sampled tokens mean: appending them (and logprobs), detokenizing, the stop rules and the
+output objects; the scheduler only learns which requests finished."""
 
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kestrel.engine.sampler import Sampler, SamplerOutput, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.engine.scheduler import Scheduler
+from kestrel.engine.scheduler import SchedulePlan, Scheduler
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
 from kestrel.tokenizer import load_tokenizer
@@ -71,6 +74,15 @@ class RequestOutput:
     finished: bool = False
 
 
+@dataclass
+class StepResult:
+    """What one step changed: requests that got a token or finished (streaming reads their new output) and the
+    outputs of request groups that finished."""
+
+    advanced: list[Request] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -114,13 +126,11 @@ class Engine:
             config.max_running_requests,
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
-            eos,
         )
+        self.eos_token_ids = set(eos)
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
         self._groups: dict[str, list[Request]] = {}
-        # Requests that sampled a token or finished in the last step() (streaming reads their new output).
-        self.advanced: list[Request] = []
         log.info(
             "capacity: %d KV tokens (%d pages of %d), %d KDA state slots, max model len %d, device %s",
             num_pages * config.page_size,
@@ -225,11 +235,11 @@ class Engine:
         return self.scheduler.has_work
 
     # -- the loop --------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one model step; return outputs of request groups that finished during it."""
+    def step(self) -> StepResult:
+        """Run one model step; return the requests it advanced and the groups that finished during it."""
         plan = self.scheduler.schedule()
         done: list[Request] = list(plan.rejected)
-        self.advanced = []
+        advanced: list[Request] = []
         if not plan.empty:
             logits, _ = self.runner.execute(plan)
             self._record_prompt_logprobs(plan, logits.prompt)
@@ -238,13 +248,51 @@ class Engine:
                 for c in plan.chunks
                 if c.samples
             ]
-            self.advanced = [c.request for c in plan.chunks if c.samples]  # before update() appends the tokens
             sampled = self.sampler.sample(logits.sample, rows)
-            done += self.scheduler.update(plan, sampled)
-        self.advanced += [r for r in done if r not in self.advanced]
-        return self._collect_finished(done)
+            self.scheduler.advance(plan)
+            advanced, finished = self._process_outputs(plan, sampled)
+            done += finished
+        advanced += [r for r in done if r not in advanced]
+        return StepResult(advanced, self._collect_finished(done))
 
-    def _record_prompt_logprobs(self, plan, prompt_logits: dict) -> None:
+    def _process_outputs(self, plan: SchedulePlan, sampled: SamplerOutput) -> tuple[list[Request], list[Request]]:
+        """Append each sampled token, detokenize, apply the stop rules. Returns (sampled, finished) requests.
+
+        Sampled rows come back in plan order of the sampling chunks, so the chunks are walked in that order.
+        """
+        advanced, finished = [], []
+        for chunk in plan.chunks:
+            if not chunk.samples:
+                continue
+            req, i = chunk.request, len(advanced)
+            token = sampled.token_ids[i]
+            req.output_ids.append(token)
+            if req.params.logprobs is not None:
+                req.logprobs.append(sampled.logprobs[i])
+                req.top_logprobs.append(sampled.top_logprobs[i])
+            advanced.append(req)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                if req.detokenizer is not None and not req.detokenizer.stopped:
+                    req.output_text += req.detokenizer.flush()
+                finished.append(req)
+        return advanced, finished
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        params = req.params
+        if req.detokenizer is not None:
+            req.output_text += req.detokenizer.push(token)
+            if req.detokenizer.stopped:
+                return "stop"
+        if len(req.output_ids) >= params.min_tokens:
+            if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+                return "stop"
+        if len(req.output_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _record_prompt_logprobs(self, plan: SchedulePlan, prompt_logits: dict) -> None:
         for i, logits in prompt_logits.items():
             chunk = plan.chunks[i]
             req = chunk.request

@@ -36,7 +36,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:
-                for out in self.engine.step():
+                for out in self.engine.step().finished:
                     results[out.request_id] = out
                     bar.update(1)
         return [results[i] for i in ids]

@@ -2,6 +2,8 @@
 
 Plain Python over integers: FCFS admission, a per-step token budget, chunked prefill mixed with decodes,
 preemption of the newest running request (pages and slot freed, re-queued for recompute) when memory runs out.
+What the sampled tokens mean (stop rules, text) is the engine's business; the scheduler only advances lengths
+and hands computed prefixes to the cache.
 With a radix cache, admission starts a request after its longest cached prefix, and the scheduler decides
 where KDA state checkpoints are taken: at the last page boundary of every prefill chunk, at every
 `state_track_interval` tokens, and (through the request's tail slot) at the last page boundary on finish.
@@ -18,7 +20,6 @@ from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator
 from kestrel.engine.request import Request, RequestStatus
-from kestrel.engine.sampler import SamplerOutput
 
 
 @dataclass
@@ -36,13 +37,22 @@ class ScheduledChunk:
         """The chunk reaches the end of the known tokens, so its last row yields the next token."""
         return self.start + self.num_tokens == self.request.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One token that samples: a decode row (plans put these first)."""
+        return self.num_tokens == 1 and self.samples
+
 
 @dataclass
 class SchedulePlan:
+    """One step. Decode chunks (one token that samples) come first, `num_decode` of them, then prefill chunks,
+    so the model runner can batch the decode rows as one block; sampled tokens come back in chunk order."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     fresh_slots: list[int] = field(default_factory=list)  # slots of requests starting from token 0
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # can never fit: finished with an error
+    num_decode: int = 0
 
     @property
     def empty(self) -> bool:
@@ -50,6 +60,8 @@ class SchedulePlan:
 
 
 class Scheduler:
+    """`schedule()` plans a step, `advance(plan)` records it once computed, `finish(req, reason)` lets one go."""
+
     def __init__(
         self,
         pages: PageAllocator,
@@ -58,13 +70,11 @@ class Scheduler:
         max_running_requests: int,
         max_num_batched_tokens: int,
         chunked_prefill_size: int,
-        eos_token_ids: list[int],
     ) -> None:
         self.pages, self.slots, self.cache = pages, slots, cache
         self.max_running = max_running_requests
         self.budget = max_num_batched_tokens
         self.chunk_cap = math.inf if chunked_prefill_size == -1 else chunked_prefill_size
-        self.eos_token_ids = set(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.capacity_tokens = pages.num_pages * pages.page_size
@@ -83,7 +93,7 @@ class Scheduler:
         """Abort every (sub-)request with this id; pages and slot are freed at once."""
         hit = [r for r in list(self.waiting) + self.running if r.request_id == request_id]
         for req in hit:
-            self._finish(req, "abort", RequestStatus.ABORTED)
+            self.finish(req, "abort", RequestStatus.ABORTED)
         return hit
 
     def _release(self, req: Request) -> None:
@@ -116,12 +126,11 @@ class Scheduler:
                 self.slots.free(req.tail_slot)
             req.tail_slot = None
 
-    def _finish(self, req: Request, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
+    def finish(self, req: Request, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """The request leaves: a finished one gives its computed prefix to the cache; pages and slots are freed."""
         if status is RequestStatus.FINISHED:
             self._commit_final(req)
         self._release(req)
-        if status is RequestStatus.FINISHED and req.detokenizer is not None and not req.detokenizer.stopped:
-            req.output_text += req.detokenizer.flush()
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -181,6 +190,15 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
+        budget = self._schedule_running(plan)
+        if not plan.preempted:  # memory ran out: no admissions this step
+            self._admit_waiting(plan, budget)
+        self._finalize(plan)
+        return plan
+
+    def _schedule_running(self, plan: SchedulePlan) -> int:
+        """Next chunk of every running request, oldest first; preempts the newest when pages run out.
+        Returns the token budget left."""
         budget = self.budget
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running or budget <= 0:
@@ -197,8 +215,10 @@ class Scheduler:
                 budget -= n
         if plan.preempted:
             plan.chunks = [c for c in plan.chunks if c.request in self.running]
-            self._finalize(plan)
-            return plan
+        return budget
+
+    def _admit_waiting(self, plan: SchedulePlan, budget: int) -> None:
+        """FCFS: admit from the queue head while slots, pages and budget last (a prefix hit starts it later)."""
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             if req.num_tokens > self.capacity_tokens:
@@ -206,7 +226,7 @@ class Scheduler:
                 req.error = (
                     f"request needs {req.num_tokens} tokens of KV cache but the pool holds {self.capacity_tokens}"
                 )
-                self._finish(req, "abort", RequestStatus.ABORTED)
+                self.finish(req, "abort", RequestStatus.ABORTED)
                 plan.rejected.append(req)
                 continue
             if budget <= 0:
@@ -242,8 +262,6 @@ class Scheduler:
                 plan.fresh_slots.append(req.slot)
             plan.chunks.append(ScheduledChunk(req, req.computed_len, n))
             budget -= n
-        self._finalize(plan)
-        return plan
 
     def _unadmit(self, req: Request) -> None:
         """Undo a partial admission (prefix lock, pages, slot): the request stays first in the queue."""
@@ -252,33 +270,19 @@ class Scheduler:
         req.cache_hits = {}
 
     def _finalize(self, plan: SchedulePlan) -> None:
+        plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first, each group in its own order
+        plan.num_decode = sum(c.is_decode for c in plan.chunks)
         for chunk in plan.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.num_computed_tokens += chunk.num_tokens
             if self.cache.takes_checkpoints:
                 self._plan_snapshots(chunk)
 
-    def update(self, plan: SchedulePlan, sampled: SamplerOutput) -> list[Request]:
-        """Advance computed lengths, append sampled tokens, apply stop rules. Returns requests finished now."""
-        finished = []
-        sample_i = 0
+    def advance(self, plan: SchedulePlan) -> None:
+        """After the forward: the chunks are computed; commit their checkpoints (or full pages) to the cache."""
         for chunk in plan.chunks:
-            req = chunk.request
-            req.computed_len = chunk.start + chunk.num_tokens
+            chunk.request.computed_len = chunk.start + chunk.num_tokens
             self._cache_chunk(chunk)
-            if not chunk.samples:
-                continue
-            token = sampled.token_ids[sample_i]
-            req.output_ids.append(token)
-            if req.params.logprobs is not None:
-                req.logprobs.append(sampled.logprobs[sample_i])
-                req.top_logprobs.append(sampled.top_logprobs[sample_i])
-            sample_i += 1
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-                finished.append(req)
-        return finished
 
     def _cache_chunk(self, chunk: ScheduledChunk) -> None:
         """After a step: commit the chunk's checkpoints (or, without KDA, its full pages) to the cache."""
@@ -290,16 +294,3 @@ class Scheduler:
                 req.tail_len = chunk.start + offset
         if not self.cache.has_state and chunk.num_tokens > 1:
             self._commit_full_pages(req)
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        params = req.params
-        if req.detokenizer is not None:
-            req.output_text += req.detokenizer.push(token)
-            if req.detokenizer.stopped:
-                return "stop"
-        if len(req.output_ids) >= params.min_tokens:
-            if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-                return "stop"
-        if len(req.output_ids) >= params.max_tokens:
-            return "length"
-        return None
