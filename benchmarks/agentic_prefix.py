@@ -74,12 +74,12 @@ def replay(path: str, sessions, args, prefix_cache: bool) -> dict:
         submit(s)
     start = time.perf_counter()
     while engine.has_unfinished:
-        finished = engine.step()
+        result = engine.step()
         now = time.perf_counter()
-        for req in engine.advanced:
+        for req in result.advanced:
             if req.request_id in live and req.request_id not in first_token:
                 first_token[req.request_id] = now
-        for out in finished:
+        for out in result.finished:
             s, submitted = live.pop(out.request_id)
             ttfts.append(first_token.pop(out.request_id) - submitted)
             comp = out.outputs[0]

@@ -1,4 +1,4 @@
-"""`kestrel` command line: make-model, generate (serve, bench, plan, train arrive with their issues)."""
+"""`kestrel` command line: make-model, generate, serve (HTTP), bench serve, plan, train sft, eval."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.server.args import add_server_args
 
 
@@ -161,13 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen, max_total_tokens=4096)
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the built-in one)")
+    srv = sub.add_parser("serve", help="serve a model over HTTP, OpenAI-compatible (default: the built-in model)")
     srv.add_argument("model", nargs="?", default=None)
     add_server_args(srv)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    bn = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server (serve: AgentX-style sessions)")
+    bn = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server with AgentX-style sessions")
     bn.add_argument("mode", choices=["serve"])
     bn.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000 (a /v1 suffix is ok)")
     bn.add_argument("--model", default=None, help="default: the first model /v1/models lists")
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--draft-kv-ring", action=argparse.BooleanOptionalAction, default=None)
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
-    tr = sub.add_parser("train", help="train a model (sft)")
+    tr = sub.add_parser("train", help="SFT on synthetic chat episodes (--recipe; --ship makes it the default model)")
     tr.add_argument("mode", choices=["sft"])
     tr.add_argument("--recipe", default="mini", choices=["mini", "tiny"])
     tr.add_argument("--out", default="out/sft-mini")
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default model")
     tr.set_defaults(func=cmd_train)
 
-    ev = sub.add_parser("eval", help="held-out accuracy: arithmetic or tool calling")
+    ev = sub.add_parser("eval", help="held-out accuracy (default: the built-in model): arithmetic or tool calling")
     ev.add_argument("model", nargs="?", default=None)
     ev.add_argument("--task", required=True, choices=["arithmetic", "tools"])
     ev.add_argument("-n", type=int, default=200)

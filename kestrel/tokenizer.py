@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from kestrel.server.chat_template import IM_END, MARKER_TOKENS, PAD, SPECIAL_TOKENS
+from kestrel.chat_template import IM_END, JINJA_TEMPLATE, MARKER_TOKENS, PAD, SPECIAL_TOKENS
 
 # Ids 0-2: pad, bos, eos (= <|im_end|>), so the make-model presets' pad/bos/eos ids 0/1/2 mean these.
 BYTE_SPECIALS = (PAD, "<|bos|>", IM_END)
@@ -50,8 +50,6 @@ def _byte_of(ch: str) -> int:
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
     """tokenizer.json + tokenizer_config.json and chat_template.jinja carrying the Kimi chat template."""
-    from kestrel.server.chat_template import JINJA_TEMPLATE
-
     out = Path(out_dir)
     tok.save(str(out / "tokenizer.json"))
     config = {

@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.server.args import ServerConfig
 from kestrel.server.launch import make_server
 

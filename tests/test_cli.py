@@ -49,7 +49,7 @@ def test_engine_flags_reach_the_engine(tmp_path, capsys):
 
 def test_prefix_cache_flags_parse_and_validate(tmp_path, capsys):
     from kestrel.cli import build_parser, engine_kwargs
-    from kestrel.config import EngineConfig
+    from kestrel.engine.config import EngineConfig
 
     args = build_parser().parse_args(
         ["generate", "--prompt", "x", "--no-enable-prefix-caching", "--hicache-size", "0.5"]

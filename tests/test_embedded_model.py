@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kestrel import LLM, SamplingParams
+from kestrel.chat_template import render_chat
 from kestrel.models.builtin import EMBEDDED_DIR, builtin_model_path
-from kestrel.server.chat_template import render_chat
 from kestrel.train.evaluate import eval_arithmetic, eval_tools, final_answer, tool_calls
 
 pytestmark = pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").exists(), reason="kestrel-mini not built")

@@ -44,11 +44,10 @@ def _assert_all_freed(llm: LLM) -> None:
     engine = llm.engine
     stats = engine.stats()
     assert stats["pages_used"] == 0 and stats["slots_used"] == 0 and stats["running"] == stats["waiting"] == 0
-    if engine.cache is not None:
-        engine.cache.check_counters()
-        engine.cache.clear()
-        engine.cache.check_counters()
-    assert engine.pages.num_used == 0 and (engine.slots is None or engine.slots.num_used == 0)
+    engine.cache.check_counters()
+    engine.cache.clear()
+    engine.cache.check_counters()
+    assert engine.pages.num_used == 0 and engine.slots.num_used == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,10 +76,10 @@ def test_requests_arriving_while_others_decode(family, tiny_checkpoints):
     for i, p in enumerate(prompts):
         ids.append(engine.add_request(p, _greedy(8)))
         for _ in range(2 + i):
-            for out in engine.step():
+            for out in engine.step().finished:
                 results[out.request_id] = out
     while engine.has_unfinished:
-        for out in engine.step():
+        for out in engine.step().finished:
             results[out.request_id] = out
     _assert_matches_reference(llm, prompts, [results[i] for i in ids], 8)
     _assert_all_freed(llm)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from kestrel.cache.prefix import NoPrefixCache
+from kestrel.cache.radix import RadixCache
 
 FAMILIES = ["kimi_linear", "deepseek_v32", "kimi_k3"]
 PAGE = 16
@@ -49,7 +51,7 @@ def _assert_idle_and_clear(llm: LLM) -> None:
     stats = engine.stats()
     assert stats["pages_used"] == 0 and stats["slots_used"] == 0 and stats["running"] == 0
     engine.cache.clear()
-    assert engine.pages.num_used == 0 and (engine.slots is None or engine.slots.num_used == 0)
+    assert engine.pages.num_used == 0 and engine.slots.num_used == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,7 +59,7 @@ def test_multi_turn_outputs_equal_cache_off(family, tiny_checkpoints):
     args = dict(max_total_tokens=4096, page_size=PAGE, chunked_prefill_size=48, state_track_interval=32)
     on = LLM(str(tiny_checkpoints[family]), **args)
     off = LLM(str(tiny_checkpoints[family]), enable_prefix_caching=False, **args)
-    assert on.engine.cache is not None and off.engine.cache is None
+    assert isinstance(on.engine.cache, RadixCache) and isinstance(off.engine.cache, NoPrefixCache)
     rec_on = _converse(on, sessions=2, turns=4, new_tokens=lambda t: 37 if t == 0 else 21, out_tokens=7)
     rec_off = _converse(off, sessions=2, turns=4, new_tokens=lambda t: 37 if t == 0 else 21, out_tokens=7)
     for turn, ((rows_on, computed_on), (rows_off, computed_off)) in enumerate(zip(rec_on, rec_off)):

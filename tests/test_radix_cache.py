@@ -1,6 +1,9 @@
-"""The radix tree on its own: integer pages and slots, with a tensor-backed stand-in for the model runner."""
+"""The radix tree on its own: integer pages and slots, with a tensor-backed stand-in for the device pools."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -8,8 +11,6 @@ from kestrel.cache.hicache import DiskStore, HiCache
 from kestrel.cache.kv_pool import PageAllocator
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator
-from kestrel.engine.request import Request
-from kestrel.engine.sampling_params import SamplingParams
 
 PS = 4  # page size
 
@@ -41,50 +42,68 @@ class FakeIO:
 
 def _cache(num_pages=32, num_slots=16, interval=8, max_states=-1, hicache=None, with_state=True):
     pages = PageAllocator(num_pages, PS)
-    slots = SlotAllocator(num_slots) if with_state else None
+    slots = SlotAllocator(num_slots if with_state else 0)
     io = FakeIO(num_pages, num_slots)
     return RadixCache(pages, slots, io, interval, max_states, hicache), io
 
 
-def _request(ids: list[int]) -> Request:
-    return Request("r", ids, SamplingParams(max_tokens=1), arrival=0)
+@dataclass
+class Seq:
+    """What the scheduler keeps per request, applied from the cache's results the way the scheduler does."""
+
+    ids: list[int]
+    pages: list[int] = field(default_factory=list)
+    node: Any = None
+    cached: int = 0
+    hits: dict[str, int] = field(default_factory=dict)
+    slot: int | None = None
 
 
-def _run(cache: RadixCache, io: FakeIO, ids: list[int], checkpoints: list[int]) -> Request:
+def _acquire(cache: RadixCache, seq: Seq) -> bool:
+    got = cache.acquire(seq.ids, cache.match(seq.ids), seq.slot, len(seq.ids))
+    if got is None:
+        return False
+    seq.pages, seq.node, seq.cached, seq.hits = got.pages, got.node, got.length, got.hits_by_tier
+    return True
+
+
+def _commit(cache: RadixCache, seq: Seq, length: int, checkpoint: int | None = None) -> None:
+    got = cache.commit(seq.ids, seq.pages, length, seq.node, checkpoint)
+    seq.pages, seq.node = got.pages, got.node
+
+
+def _run(cache: RadixCache, io: FakeIO, ids: list[int], checkpoints: list[int]) -> Seq:
     """Admit ids, 'compute' all of them (page content = token values), commit checkpoints, finish."""
-    req = _request(ids)
-    req.slot = cache.alloc_slot() if cache.has_state else None
-    assert cache.acquire(req, cache.match(ids))
-    need = -(-len(ids) // PS) - len(req.pages)
-    req.pages += cache.alloc_pages(need)
-    for i, page in enumerate(req.pages):
+    seq = Seq(ids)
+    seq.slot = cache.alloc_slot() if cache.has_state else None
+    assert _acquire(cache, seq)
+    need = -(-len(ids) // PS) - len(seq.pages)
+    seq.pages += cache.alloc_pages(need)
+    for i, page in enumerate(seq.pages):
         chunk = ids[i * PS : (i + 1) * PS]
         io.kv[page, : len(chunk), 0] = torch.tensor(chunk, dtype=torch.float)
-    req.computed_len = len(ids)
     if not cache.has_state:
-        cache.commit(req, len(ids) // PS * PS)
+        _commit(cache, seq, len(ids) // PS * PS)
     for pos in checkpoints:
         slot = cache.alloc_slot()
         io.state[slot] = pos  # the 'state after pos tokens'
-        cache.commit(req, pos, slot)
-    if req.slot is not None:
-        cache.slots.free(req.slot)
-        req.slot = None
-    cache.release(req)
+        _commit(cache, seq, pos, slot)
+    if seq.slot is not None:
+        cache.slots.free(seq.slot)
+        seq.slot = None
+    cache.release(seq.pages, seq.node)
     cache.check_counters()
-    return req
+    return seq
 
 
 def test_match_ends_at_deepest_checkpoint_and_restores_its_state():
     cache, io = _cache()
     ids = list(range(100, 124))  # 6 pages
     _run(cache, io, ids, [8, 16])
-    again = _request(ids + [1, 2, 3])
-    again.slot = cache.alloc_slot()
-    match = cache.match(again.all_ids)
-    assert match.length == 16  # pages for 24 tokens exist, but the deepest checkpoint is at 16
-    assert cache.acquire(again, match)
-    assert again.cached_tokens == again.computed_len == 16 and len(again.pages) == 4
+    again = Seq(ids + [1, 2, 3], slot=cache.alloc_slot())
+    assert cache.match(again.ids).length == 16  # pages for 24 tokens exist, but the deepest checkpoint is at 16
+    assert _acquire(cache, again)
+    assert again.cached == 16 and len(again.pages) == 4
     assert io.state[again.slot][0] == 16
     # The reused pages carry the first request's content.
     assert io.kv[again.pages, :, 0].flatten().tolist() == [float(t) for t in ids[:16]]
@@ -105,16 +124,15 @@ def test_divergent_prompts_share_pages_and_split_nodes():
 def test_commit_of_duplicate_pages_frees_the_copies():
     cache, io = _cache(with_state=False)
     ids = list(range(12))
-    r1, r2 = _request(ids + [99]), _request(ids + [98])
+    r1, r2 = Seq(ids + [99]), Seq(ids + [98])
     for r in (r1, r2):
-        cache.acquire(r, cache.match(r.all_ids))
+        _acquire(cache, r)
         r.pages = cache.alloc_pages(4)
-        r.computed_len = 13
-    cache.commit(r1, 12)
-    cache.commit(r2, 12)  # computed concurrently: r2's first three pages are duplicates
+    _commit(cache, r1, 12)
+    _commit(cache, r2, 12)  # computed concurrently: r2's first three pages are duplicates
     assert r2.pages[:3] == r1.pages[:3]
-    cache.release(r1)
-    cache.release(r2)
+    cache.release(r1.pages, r1.node)
+    cache.release(r2.pages, r2.node)
     assert cache.allocator.num_used == 3 == cache.device_pages()
 
 
@@ -123,11 +141,11 @@ def test_locked_path_survives_eviction_and_lru_goes_first():
     old, new = [1] * 8, [2] * 8
     _run(cache, io, old + [0], [])
     _run(cache, io, new + [0], [])
-    holder = _request(new + [5])
-    cache.acquire(holder, cache.match(holder.all_ids))  # locks `new`
+    holder = Seq(new + [5])
+    _acquire(cache, holder)  # locks `new`
     assert cache.evict_pages(8) == 2  # only `old` may go
     assert cache.match(old + [0]).length == 0 and cache.match(new + [0]).length == 8
-    cache.release(holder)
+    cache.release(holder.pages, holder.node)
     assert cache.evict_pages(8) == 2 and cache.allocator.num_used == 0
 
 
@@ -157,10 +175,9 @@ def test_host_tier_keeps_evicted_pages_and_loads_them_back():
     cache.evict_pages(6)
     assert cache.device_pages() == 0 and cache.allocator.num_used == 0 and hi.host_used > 0
     io.kv.zero_()
-    req = _request(ids + [0])
-    req.slot = cache.alloc_slot()
-    assert cache.acquire(req, cache.match(req.all_ids))
-    assert req.cached_tokens == 20 and req.cache_hits["host"] == 20
+    req = Seq(ids + [0], slot=cache.alloc_slot())
+    assert _acquire(cache, req)
+    assert req.cached == 20 and req.hits["host"] == 20
     assert io.kv[req.pages, :, 0].flatten().tolist() == [float(t) for t in ids]
     assert io.state[req.slot][0] == 20
 

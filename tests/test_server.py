@@ -293,9 +293,9 @@ def test_engine_step_reports_exactly_the_requests_that_sampled_a_token(checkpoin
     saw_prefill_only_step = False
     while engine.has_unfinished:
         before = [len(r.output_ids) for r in reqs]
-        engine.step()
+        result = engine.step()
         grew = [r for r, n in zip(reqs, before) if len(r.output_ids) > n]
-        assert sorted(map(id, engine.advanced)) == sorted(map(id, grew))
+        assert sorted(map(id, result.advanced)) == sorted(map(id, grew))
         saw_prefill_only_step |= len(grew) < sum(not r.is_finished for r in reqs)
     assert saw_prefill_only_step and all(len(r.output_ids) == r.params.max_tokens for r in reqs)
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import MAX_BODY, WEATHER_TOOL, assert_openai_error, running_server
 
-from kestrel.server.chat_template import MARKER_TOKENS, SPECIAL_TOKENS
+from kestrel.chat_template import MARKER_TOKENS, SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")

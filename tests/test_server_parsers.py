@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kestrel.server.chat import ChatOutputParser, parse_chat_output
-from kestrel.server.chat_template import (
+from kestrel.chat_template import (
     CALL_ARGS,
     CALL_BEGIN,
     CALL_END,
@@ -19,6 +18,7 @@ from kestrel.server.chat_template import (
     THINK_END,
     render_tool_calls,
 )
+from kestrel.server.chat import ChatOutputParser, parse_chat_output
 from kestrel.server.reasoning import ReasoningParser, split_reasoning
 from kestrel.server.tool_calls import ToolCallParser, merge_tool_calls, parse_tool_calls
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kestrel.chat_template import render_chat
 from kestrel.models.loader import load_model
-from kestrel.server.chat_template import render_chat
 from kestrel.tokenizer import save_tokenizer
 from kestrel.train.data import episodes, percent_trace, tool_episode
 from kestrel.train.sft import encode_episode

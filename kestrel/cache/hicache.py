@@ -9,7 +9,8 @@ and skipped, never loaded. Write policies (`--hicache-write-policy`), as in SGLa
 - write_through_selective: copied down once a node has been hit twice (only hot prefixes pay the copy);
 - write_back: copied down only when evicted from the tier above (and on `flush`, at shutdown).
 
-Copies are synchronous; the scheduler calls into this module before the step that needs the data.
+This module only stores: the radix tree decides what moves between tiers and when (copies are synchronous,
+made before the step that needs the data).
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-if TYPE_CHECKING:
-    from kestrel.cache.radix import RadixCache, RadixNode
+from kestrel.cache.keys import chain_hash
 
 log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -38,7 +37,7 @@ _MAGIC = b"KESTRELL3v1\0"
 _HEADER = struct.Struct("<12s32sQ")  # magic, sha256 of the payload, payload length
 
 
-def _nbytes(t: dict[str, torch.Tensor] | torch.Tensor | None) -> int:
+def tensor_bytes(t: dict[str, torch.Tensor] | torch.Tensor | None) -> int:
     if t is None:
         return 0
     if isinstance(t, torch.Tensor):
@@ -55,7 +54,7 @@ class HostCopy:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.kv) + _nbytes(self.state)
+        return tensor_bytes(self.kv) + tensor_bytes(self.state)
 
     def split(self, n_pages: int) -> tuple[HostCopy | None, HostCopy | None]:
         """Upper part (first n_pages, no checkpoint) and lower part (the rest, keeps the checkpoint)."""
@@ -150,7 +149,10 @@ class DiskStore:
 
 
 class HiCache:
-    """L2 host pool and L3 disk store behind one radix cache; see the module docstring for the policies."""
+    """Storage below the device pool: the L2 byte budget, the L3 store and the write policy.
+
+    It holds bytes and answers questions; which node moves where, and in which order, is the radix tree's call.
+    """
 
     def __init__(self, host_bytes: int, storage_dir: str | Path | None, write_policy: str, namespace: str) -> None:
         if write_policy not in WRITE_POLICIES:
@@ -159,146 +161,56 @@ class HiCache:
         self.host_used = 0
         self.policy = write_policy
         self.disk = DiskStore(storage_dir, namespace) if storage_dir else None
-        self.radix: RadixCache | None = None
 
-    def attach(self, radix: RadixCache) -> None:
-        self.radix, self.io = radix, radix.io
-
+    # -- L2: a byte budget -----------------------------------------------------------------------------
     @property
     def has_host(self) -> bool:
         return self.host_budget > 0
 
-    # -- tree events -----------------------------------------------------------------------------------
-    def on_insert(self, node: RadixNode) -> None:
-        if self.policy == "write_through":
-            self.backup(node)
+    def host_fits(self, nbytes: int) -> bool:
+        """Could nbytes ever be held (with everything else dropped)?"""
+        return nbytes <= self.host_budget
 
-    def on_checkpoint(self, node: RadixNode) -> None:
-        if self.policy == "write_through" or (self.policy == "write_through_selective" and node.host is not None):
-            self.backup(node)
-
-    def on_hit(self, node: RadixNode) -> None:
-        if self.policy == "write_through_selective" and node.hits >= SELECTIVE_HIT_THRESHOLD:
-            self.backup(node)
-
-    def save_for_eviction(self, node: RadixNode) -> bool:
-        """Before a node leaves the device: keep it on host (True) or at least on disk (False: node removed)."""
-        if self.has_host and self.backup_host(node):
-            return True
-        if self.disk is not None:
-            self.write_disk(node)
-        return False
-
-    def save_state_for_eviction(self, node: RadixNode) -> None:
-        if self.has_host and node.host is not None and self._put_host_state(node):
-            return
-        if self.disk is not None:
-            self.write_disk(node)
-
-    def backup(self, node: RadixNode) -> None:
-        """Copy a device node down every tier (host, then disk)."""
-        if self.has_host:
-            self.backup_host(node)
-        if self.disk is not None:
-            self.write_disk(node)
-
-    # -- L2 --------------------------------------------------------------------------------------------
-    def backup_host(self, node: RadixNode) -> bool:
-        if node.host is None or node.host.kv is None:
-            if not node.on_device:
-                return False
-            need = node.num_pages * self.radix.page_size * self.io.packed_bytes_per_token
-            if not self._make_room(need, keep=node):
-                return False
-            state = node.host.state if node.host is not None else None
-            node.host = HostCopy(self.io.gather_pages(node.pages), state)
-            self.host_used += _nbytes(node.host.kv)
-        if node.checkpoint is not None and node.host.state is None:
-            self._put_host_state(node)
-        return True
-
-    def _put_host_state(self, node: RadixNode) -> bool:
-        state = self.io.gather_state(node.checkpoint)
-        if not self._make_room(_nbytes(state), keep=node):
-            return False
-        node.host.state = state
-        self.host_used += _nbytes(state)
-        return True
-
-    def load_host(self, node: RadixNode, pages: list[int]) -> None:
-        self.io.scatter_pages(pages, node.host.kv)
-        self.radix.set_pages(node, pages)
-
-    def drop_host(self, node: RadixNode) -> None:
-        self.host_used -= node.host.nbytes
-        node.host = None
-
-    def drop_host_state(self, node: RadixNode) -> None:
-        self.host_used -= _nbytes(node.host.state)
-        node.host.state = None
-
-    def _make_room(self, nbytes: int, keep: RadixNode) -> bool:
-        """Free host bytes, LRU first: backups of device nodes are dropped, host-only leaves move to disk."""
-        if nbytes > self.host_budget:
-            return False
-        if self.host_used + nbytes <= self.host_budget:
-            return True
-        radix = self.radix
-        progress = True
-        while progress and self.host_used + nbytes > self.host_budget:
-            progress = False
-            candidates = sorted(
-                (x for x in radix.nodes() if x.host is not None and x is not keep and x.lock_ref == 0),
-                key=lambda x: x.last_access,
-            )
-            for node in candidates:
-                if self.host_used + nbytes <= self.host_budget:
-                    break
-                if node.on_device:
-                    self.drop_host(node)
-                    progress = True
-                elif not node.children:
-                    if self.disk is not None and self.policy == "write_back":
-                        self.write_disk(node)
-                    radix.remove(node)
-                    progress = True
+    def host_has_room(self, nbytes: int) -> bool:
         return self.host_used + nbytes <= self.host_budget
 
+    def put_host(self, kv: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> HostCopy:
+        copy = HostCopy(kv, state)
+        self.host_used += tensor_bytes(kv)
+        return copy
+
+    def put_host_state(self, copy: HostCopy, state: dict[str, torch.Tensor]) -> None:
+        copy.state = state
+        self.host_used += tensor_bytes(state)
+
+    def drop_host(self, copy: HostCopy) -> None:
+        self.host_used -= copy.nbytes
+
+    def drop_host_state(self, copy: HostCopy) -> None:
+        self.host_used -= tensor_bytes(copy.state)
+        copy.state = None
+
+    # -- write policy ----------------------------------------------------------------------------------
+    def copy_on_insert(self) -> bool:
+        return self.policy == "write_through"
+
+    def copy_on_checkpoint(self, has_host_copy: bool) -> bool:
+        return self.policy == "write_through" or (self.policy == "write_through_selective" and has_host_copy)
+
+    def copy_on_hit(self, hits: int) -> bool:
+        return self.policy == "write_through_selective" and hits >= SELECTIVE_HIT_THRESHOLD
+
+    def spill_to_disk(self) -> bool:
+        """Host-only data leaving L2 must be written to L3 first (nothing wrote it earlier)."""
+        return self.disk is not None and self.policy == "write_back"
+
     # -- L3 --------------------------------------------------------------------------------------------
-    def write_disk(self, node: RadixNode) -> None:
-        """Write the node's pages (from device or host) and its checkpoint, skipping files already there."""
-        disk, ps = self.disk, self.radix.page_size
-        missing = [i for i, h in enumerate(node.hashes) if not disk.exists(h, "page")]
-        if missing:
-            if node.on_device:
-                packed = self.io.gather_pages([node.pages[i] for i in missing])
-            elif node.host is not None and node.host.kv is not None:
-                packed = node.host.kv[missing]
-            else:
-                packed = None
-            if packed is not None:
-                for j, i in enumerate(missing):
-                    disk.write(node.hashes[i], "page", {"kv": packed[j]}, node.key[i * ps : (i + 1) * ps])
-        last = node.hashes[-1] if node.hashes else None
-        if last is not None and not disk.exists(last, "state"):
-            state = None
-            if node.checkpoint is not None:
-                state = self.io.gather_state(node.checkpoint)
-            elif node.host is not None and node.host.state is not None:
-                state = node.host.state
-            if state is not None:
-                disk.write(last, "state", state, node.key[-ps:])
-
-    def probe_disk(self, parent_hash: bytes, ids: list[int], start: int, max_pages: int, need_state: bool):
+    def probe_disk(self, parent_hash: bytes, pages: list[tuple[int, ...]], need_state: bool) -> DiskHit | None:
         """Pages present on disk after the tree's match (existence only; contents are verified on load)."""
-        if self.disk is None:
+        if self.disk is None or not pages:
             return None
-        from kestrel.cache.radix import chain_hash
-
-        ps = self.radix.page_size
         hashes, tokens, usable, h = [], [], 0, parent_hash
-        for i in range(start, max_pages):
-            page = tuple(ids[i * ps : (i + 1) * ps])
+        for page in pages:
             h = chain_hash(h, page)
             if not self.disk.exists(h, "page"):
                 break
@@ -308,9 +220,10 @@ class HiCache:
                 usable = len(hashes)
         if usable == 0:
             return None
+        ps = len(pages[0])
         return DiskHit(hashes[:usable], tokens[:usable], usable * ps, ps)
 
-    def read_disk(self, hit: DiskHit) -> tuple[list[torch.Tensor], dict[str, torch.Tensor] | None]:
+    def read_disk(self, hit: DiskHit, need_state: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor] | None]:
         """Verified pages of a disk hit, cut back to the deepest page whose checkpoint also verified."""
         pages: list[torch.Tensor] = []
         for h, tokens in zip(hit.hashes, hit.tokens):
@@ -318,7 +231,7 @@ class HiCache:
             if data is None:
                 break
             pages.append(data["kv"])
-        if self.radix.has_state:
+        if need_state:
             while pages:
                 state = self.disk.read(hit.hashes[len(pages) - 1], "state", hit.tokens[len(pages) - 1])
                 if state is not None:
@@ -326,11 +239,3 @@ class HiCache:
                 pages.pop()  # no usable checkpoint at this depth: a shorter prefix, or nothing
             return [], None
         return pages, None
-
-    def flush(self) -> None:
-        """Write every node still held only in memory to disk (write_back at shutdown)."""
-        if self.disk is None:
-            return
-        for node in list(self.radix.nodes()):
-            if node.on_device or node.host is not None:
-                self.write_disk(node)

@@ -8,44 +8,25 @@ match ends at the deepest matched node that has a checkpoint (any matched node f
 
 Running requests lock their path (lock counts run up to the root); eviction frees LRU unlocked leaves, and
 checkpoints are evicted on their own when the state pool runs dry. With a `HiCache` attached, evicted pages
-and checkpoints move to host memory / disk instead of being dropped, and a match continues into those tiers.
-Everything here is plain Python over integers; tensor traffic goes through `CacheIO`.
+and checkpoints move to host memory / disk instead of being dropped, and a match continues into those tiers;
+which node moves down, is dropped or is removed is decided here (the tiers only store). Everything here is
+plain Python over integers; tensor traffic goes through `CacheIO`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kestrel.cache.hicache import DiskHit, HiCache, HostCopy, tensor_bytes
+from kestrel.cache.keys import chain_hash, root_hash
 from kestrel.cache.kv_pool import PageAllocator
+from kestrel.cache.pool_io import CacheIO
+from kestrel.cache.prefix import Acquired, CacheStats, Committed, PrefixMatch
 from kestrel.cache.state_pool import SlotAllocator
-
-if TYPE_CHECKING:
-    from kestrel.cache.hicache import DiskHit, HiCache, HostCopy
-    from kestrel.engine.request import Request
-
-
-class CacheIO(Protocol):
-    """The tensor side of the cache (the model runner's pools)."""
-
-    def copy_state(self, src: int, dst: int) -> None: ...
-    def gather_pages(self, pages: list[int]) -> torch.Tensor: ...
-    def scatter_pages(self, pages: list[int], packed: torch.Tensor) -> None: ...
-    def gather_state(self, slot: int) -> dict[str, torch.Tensor]: ...
-    def scatter_state(self, slot: int, state: dict[str, torch.Tensor]) -> None: ...
-
-    @property
-    def packed_bytes_per_token(self) -> int: ...
-
-
-def chain_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
-    """Key of a page given the key of the page before it: a hash of the whole token prefix (disk tier)."""
-    return hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=20).digest()
 
 
 @dataclass(eq=False)
@@ -83,32 +64,13 @@ class RadixNode:
         return out[::-1]
 
 
-@dataclass
-class PrefixMatch:
-    """The reusable prefix of a prompt: `node` ends at `length` tokens (a checkpoint there, if KDA)."""
-
-    node: RadixNode
-    length: int
-    disk: DiskHit | None = None  # a continuation found only on disk (pages + the state at its end)
-
-
-@dataclass
-class CacheStats:
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    disk_hit_tokens: int = 0
-    evicted_pages: int = 0
-    evicted_checkpoints: int = 0
-    checkpoints_taken: int = 0
-
-
 class RadixCache:
+    """The tree plus its allocators; takes and returns plain values (token ids, pages, slots), never requests."""
+
     def __init__(
         self,
         pages: PageAllocator,
-        slots: SlotAllocator | None,
+        slots: SlotAllocator,
         io: CacheIO,
         track_interval: int,
         max_states_per_path: int = -1,
@@ -121,9 +83,10 @@ class RadixCache:
             raise ValueError(f"state_track_interval {track_interval} must be a multiple of page_size {self.page_size}")
         self.track_interval = track_interval
         self.max_states_per_path = max_states_per_path
-        self.has_state = slots is not None
+        # KDA layers: a match must end at a checkpoint, and the scheduler plans where checkpoints are taken.
+        self.has_state = self.takes_checkpoints = slots.num_slots > 0
         self.hicache = hicache
-        self.root_hash = hashlib.blake2b(namespace, digest_size=20).digest()
+        self.root_hash = root_hash(namespace)
         self.root = RadixNode((), None, 0, [], [])
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
@@ -132,8 +95,6 @@ class RadixCache:
         self.num_device_pages = 0
         self.num_locked_pages = 0  # device pages of nodes some running request locks
         self.num_checkpoints = 0
-        if hicache is not None:
-            hicache.attach(self)
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _tick(self, node: RadixNode) -> None:
@@ -232,18 +193,19 @@ class RadixCache:
             if node.has_checkpoint or not self.has_state:
                 best = PrefixMatch(node, node.depth)
         if self.hicache is not None and i < max_pages:
-            hit = self.hicache.probe_disk(self._last_hash(node), ids, i, max_pages, self.has_state)
+            pages = [self._page(ids, j) for j in range(i, max_pages)]
+            hit = self.hicache.probe_disk(self._last_hash(node), pages, self.has_state)
             if hit is not None and hit.length > best.length:
                 best = PrefixMatch(node, node.depth, hit)
         return best
 
-    def acquire(self, req: Request, match: PrefixMatch) -> bool:
-        """Bring the matched prefix onto the device, lock it, and seed req's pages and KDA slot from it.
+    def acquire(self, ids: list[int], match: PrefixMatch, slot: int | None, prompt_len: int) -> Acquired | None:
+        """Bring the matched prefix onto the device, lock it, and seed the KDA `slot` from its checkpoint.
 
-        Host-tier and disk-tier parts are loaded into fresh device pages first. Returns False (and changes
-        nothing the request can see) when the device has no room for them even after eviction.
+        Host-tier and disk-tier parts are loaded into fresh device pages first. Returns None (and holds nothing
+        for the caller) when the device has no room for them even after eviction.
         """
-        self.stats.queried_tokens += len(req.prompt_ids)
+        self.stats.queried_tokens += prompt_len
         node = match.node
         self.lock(node)
         from_host: set[int] = set()
@@ -252,13 +214,14 @@ class RadixCache:
                 got = self.alloc_pages(step.num_pages)
                 if got is None:
                     self.unlock(node)
-                    self.stats.queried_tokens -= len(req.prompt_ids)
-                    return False
-                self.hicache.load_host(step, got)
+                    self.stats.queried_tokens -= prompt_len
+                    return None
+                self.io.scatter_pages(got, step.host.kv)
+                self.set_pages(step, got)
                 from_host.add(id(step))
         disk_state = None
         if match.disk is not None:
-            disk_node, disk_state = self._load_disk(node, req.all_ids, match.disk)
+            disk_node, disk_state = self._load_disk(node, ids, match.disk)
             if disk_node is not None:
                 self.lock(disk_node)
                 self.unlock(node)
@@ -274,29 +237,26 @@ class RadixCache:
                 node = target
         length = node.depth
         path = node.path()
-        req.pages = [p for step in path for p in step.pages]
-        req.cache_node, req.cache_len = node, length
-        req.computed_len = req.cached_tokens = length
-        if self.has_state and req.slot is not None and length:
+        if self.has_state and slot is not None and length:
             if disk_state is not None and node.checkpoint is None:
-                self.io.scatter_state(req.slot, disk_state)
+                self.io.scatter_state(slot, disk_state)
             elif node.checkpoint is not None:
-                self.io.copy_state(node.checkpoint, req.slot)
+                self.io.copy_state(node.checkpoint, slot)
             else:
-                self.io.scatter_state(req.slot, node.host.state)
+                self.io.scatter_state(slot, node.host.state)
         disk_tokens = length - match.node.depth if match.disk is not None and length > match.node.depth else 0
         host_tokens = sum(len(step.key) for step in path if id(step) in from_host)
         for step in path:
             step.hits += 1
             self._tick(step)
-            if self.hicache is not None:
-                self.hicache.on_hit(step)
+            if self.hicache is not None and self.hicache.copy_on_hit(step.hits):
+                self._backup(step)
         self.stats.hit_tokens += length
         self.stats.disk_hit_tokens += disk_tokens
         self.stats.host_hit_tokens += host_tokens
         self.stats.device_hit_tokens += length - disk_tokens - host_tokens
-        req.cache_hits = {"device": length - disk_tokens - host_tokens, "host": host_tokens, "disk": disk_tokens}
-        return True
+        hits = {"device": length - disk_tokens - host_tokens, "host": host_tokens, "disk": disk_tokens}
+        return Acquired(node, length, [p for step in path for p in step.pages], hits)
 
     def _load_disk(self, node: RadixNode, ids: list[int], hit: DiskHit):
         """Read, verify and insert a disk continuation under `node`: (new node, its state) or (None, None).
@@ -304,7 +264,7 @@ class RadixCache:
         The state also goes into a checkpoint slot when one is free; it is returned so the caller can seed the
         request's slot either way.
         """
-        pages_data, state = self.hicache.read_disk(hit)
+        pages_data, state = self.hicache.read_disk(hit, self.has_state)
         n = len(pages_data)
         if n == 0:
             return None, None
@@ -322,45 +282,50 @@ class RadixCache:
         return new, state
 
     # -- inserting -------------------------------------------------------------------------------------
-    def commit(self, req: Request, length: int, checkpoint: int | None = None) -> None:
-        """Hand req's first `length` tokens (page-aligned, computed) to the tree; attach a checkpoint there.
+    def commit(
+        self, ids: list[int], pages: list[int], length: int, node: RadixNode | None, checkpoint: int | None = None
+    ) -> Committed:
+        """Hand the first `length` tokens of `ids` (page-aligned, computed into `pages`) to the tree; attach a
+        checkpoint there. `node` is what the caller locks now (None: nothing).
 
-        Pages the tree already holds replace the request's duplicates (freed); the request then locks the
-        deepest node it reached. A checkpoint slot is owned by the tree afterwards (or freed if redundant).
+        Pages the tree already holds replace the caller's duplicates (freed); the caller then locks the deepest
+        node it reached. A checkpoint slot is owned by the tree afterwards (or freed if redundant).
         """
         ps = self.page_size
-        assert length % ps == 0 and length <= req.computed_len
-        ids = req.all_ids
-        node, i, n_pages = self.root, 0, length // ps
-        owned_from = req.cache_len // ps  # request-owned pages start here
+        assert length % ps == 0 and length <= len(ids)
+        pages = list(pages)
+        held_len = node.depth if node is not None else 0
+        owned_from = held_len // ps  # the caller's own pages start here
+        at, i, n_pages = self.root, 0, length // ps
         while i < n_pages:
-            child = node.children.get(self._page(ids, i))
+            child = at.children.get(self._page(ids, i))
             if child is None:
-                node = self._new_child(node, tuple(ids[i * ps : length]), req.pages[i:n_pages])
-                if self.hicache is not None:
-                    self.hicache.on_insert(node)
+                at = self._new_child(at, tuple(ids[i * ps : length]), pages[i:n_pages])
+                if self.hicache is not None and self.hicache.copy_on_insert():
+                    self._backup(at)
                 i = n_pages
                 break
             m = self._matched_pages(child, ids, i, n_pages)
             if m < child.num_pages:
                 child = self._split(child, m)
-            if child.pages is None:  # only on a lower tier: adopt the request's fresh pages
-                self.set_pages(child, req.pages[i : i + m])
+            if child.pages is None:  # only on a lower tier: adopt the caller's fresh pages
+                self.set_pages(child, pages[i : i + m])
             else:
                 for j in range(m):
-                    if req.pages[i + j] != child.pages[j]:
+                    if pages[i + j] != child.pages[j]:
                         assert i + j >= owned_from, "a locked prefix page differs from the tree's"
-                        self.allocator.free([req.pages[i + j]])
-                        req.pages[i + j] = child.pages[j]
-            node, i = child, i + m
-            self._tick(node)
+                        self.allocator.free([pages[i + j]])
+                        pages[i + j] = child.pages[j]
+            at, i = child, i + m
+            self._tick(at)
         if checkpoint is not None:
-            self._attach_checkpoint(node, checkpoint)
-        if length > req.cache_len:
-            self.lock(node)
-            if req.cache_node is not None:
-                self.unlock(req.cache_node)
-            req.cache_node, req.cache_len = node, length
+            self._attach_checkpoint(at, checkpoint)
+        if length <= held_len:
+            return Committed(node, held_len, pages)
+        self.lock(at)
+        if node is not None:
+            self.unlock(node)
+        return Committed(at, length, pages)
 
     def _attach_checkpoint(self, node: RadixNode, slot: int) -> None:
         if node is self.root or node.checkpoint is not None:
@@ -368,8 +333,8 @@ class RadixCache:
             return
         self.set_checkpoint(node, slot)
         self.stats.checkpoints_taken += 1
-        if self.hicache is not None:
-            self.hicache.on_checkpoint(node)
+        if self.hicache is not None and self.hicache.copy_on_checkpoint(node.host is not None):
+            self._backup(node)
         if self.max_states_per_path >= 0:
             holders = [n for n in node.path() if n.has_checkpoint]
             for victim in holders[: max(0, len(holders) - self.max_states_per_path)]:
@@ -380,16 +345,17 @@ class RadixCache:
             self.slots.free(node.checkpoint)
             self.set_checkpoint(node, None)
         if node.host is not None and node.host.state is not None:
-            self.hicache.drop_host_state(node)
+            self.hicache.drop_host_state(node.host)
 
-    def release(self, req: Request) -> None:
-        """The request leaves (finished, preempted or aborted): unlock, free what the tree does not own."""
-        if req.cache_node is not None:
-            self.unlock(req.cache_node)
-        own = req.pages[req.cache_len // self.page_size :]
+    def release(self, pages: list[int], node: RadixNode | None) -> None:
+        """The caller leaves (finished, preempted or aborted): unlock `node`, free the pages the tree does not own."""
+        held_len = 0
+        if node is not None:
+            self.unlock(node)
+            held_len = node.depth
+        own = pages[held_len // self.page_size :]
         if own:
             self.allocator.free(own)
-        req.pages, req.cache_node, req.cache_len = [], None, 0
 
     # -- allocation with eviction ----------------------------------------------------------------------
     def alloc_pages(self, n: int) -> list[int] | None:
@@ -400,8 +366,6 @@ class RadixCache:
         return got
 
     def alloc_slot(self) -> int | None:
-        if self.slots is None:
-            return None
         slot = self.slots.alloc()
         if slot is None and self.evict_checkpoints(1):
             slot = self.slots.alloc()
@@ -418,7 +382,7 @@ class RadixCache:
                 continue
             freed += node.num_pages
             self.stats.evicted_pages += node.num_pages
-            kept = self.hicache is not None and self.hicache.save_for_eviction(node)
+            kept = self.hicache is not None and self._save_for_eviction(node)
             self.allocator.free(node.pages)
             self.set_pages(node, None)
             if node.checkpoint is not None:
@@ -438,7 +402,7 @@ class RadixCache:
         )
         for node in holders[:n]:
             if self.hicache is not None:
-                self.hicache.save_state_for_eviction(node)
+                self._save_state_for_eviction(node)
             self.slots.free(node.checkpoint)
             self.set_checkpoint(node, None)
             self.stats.evicted_checkpoints += 1
@@ -450,7 +414,8 @@ class RadixCache:
             self.remove(child)
         assert node.lock_ref == 0 and node.pages is None, "removing a locked or device-resident node"
         if node.host is not None:
-            self.hicache.drop_host(node)
+            self.hicache.drop_host(node.host)
+            node.host = None
         del node.parent.children[node.key[: self.page_size]]
 
     def _device_leaf(self, node: RadixNode) -> bool:
@@ -468,6 +433,106 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    # -- lower tiers (HiCache): what moves down and when is decided here, the tiers only store --------
+    def _backup(self, node: RadixNode) -> None:
+        """Copy a device node down every tier (host, then disk)."""
+        if self.hicache.has_host:
+            self._backup_host(node)
+        if self.hicache.disk is not None:
+            self._write_disk(node)
+
+    def _backup_host(self, node: RadixNode) -> bool:
+        if node.host is None or node.host.kv is None:
+            if not node.on_device:
+                return False
+            if not self._make_host_room(node.num_pages * self.page_size * self.io.packed_bytes_per_token, node):
+                return False
+            state = node.host.state if node.host is not None else None
+            node.host = self.hicache.put_host(self.io.gather_pages(node.pages), state)
+        if node.checkpoint is not None and node.host.state is None:
+            self._put_host_state(node)
+        return True
+
+    def _put_host_state(self, node: RadixNode) -> bool:
+        state = self.io.gather_state(node.checkpoint)
+        if not self._make_host_room(tensor_bytes(state), node):
+            return False
+        self.hicache.put_host_state(node.host, state)
+        return True
+
+    def _make_host_room(self, nbytes: int, keep: RadixNode) -> bool:
+        """Free host bytes, LRU first: backups of device nodes are dropped, host-only leaves leave the tree
+        (written to disk first under write_back)."""
+        hi = self.hicache
+        if not hi.host_fits(nbytes):
+            return False
+        progress = True
+        while progress and not hi.host_has_room(nbytes):
+            progress = False
+            candidates = sorted(
+                (x for x in self.nodes() if x.host is not None and x is not keep and x.lock_ref == 0),
+                key=lambda x: x.last_access,
+            )
+            for node in candidates:
+                if hi.host_has_room(nbytes):
+                    break
+                if node.on_device:
+                    hi.drop_host(node.host)
+                    node.host = None
+                    progress = True
+                elif not node.children:
+                    if hi.spill_to_disk():
+                        self._write_disk(node)
+                    self.remove(node)
+                    progress = True
+        return hi.host_has_room(nbytes)
+
+    def _save_for_eviction(self, node: RadixNode) -> bool:
+        """Before a node leaves the device: keep it on host (True) or at least on disk (False: node removed)."""
+        if self.hicache.has_host and self._backup_host(node):
+            return True
+        if self.hicache.disk is not None:
+            self._write_disk(node)
+        return False
+
+    def _save_state_for_eviction(self, node: RadixNode) -> None:
+        if self.hicache.has_host and node.host is not None and self._put_host_state(node):
+            return
+        if self.hicache.disk is not None:
+            self._write_disk(node)
+
+    def _write_disk(self, node: RadixNode) -> None:
+        """Write the node's pages (from device or host) and its checkpoint, skipping files already there."""
+        disk, ps = self.hicache.disk, self.page_size
+        missing = [i for i, h in enumerate(node.hashes) if not disk.exists(h, "page")]
+        if missing:
+            if node.on_device:
+                packed = self.io.gather_pages([node.pages[i] for i in missing])
+            elif node.host is not None and node.host.kv is not None:
+                packed = node.host.kv[missing]
+            else:
+                packed = None
+            if packed is not None:
+                for j, i in enumerate(missing):
+                    disk.write(node.hashes[i], "page", {"kv": packed[j]}, node.key[i * ps : (i + 1) * ps])
+        last = node.hashes[-1] if node.hashes else None
+        if last is not None and not disk.exists(last, "state"):
+            state = None
+            if node.checkpoint is not None:
+                state = self.io.gather_state(node.checkpoint)
+            elif node.host is not None and node.host.state is not None:
+                state = node.host.state
+            if state is not None:
+                disk.write(last, "state", state, node.key[-ps:])
+
+    def flush(self) -> None:
+        """Write every node still held only in memory to disk (write_back at shutdown)."""
+        if self.hicache is None or self.hicache.disk is None:
+            return
+        for node in list(self.nodes()):
+            if node.on_device or node.host is not None:
+                self._write_disk(node)
 
     # -- accounting ------------------------------------------------------------------------------------
     def device_pages(self) -> int:

@@ -1,4 +1,7 @@
-"""KDA state slots: one per running request, holding conv + recurrent state of every KDA layer.
+"""KDA state slots, each holding the conv + recurrent state of every KDA layer.
+
+A running request holds one; with the prefix cache it may hold a tail slot too (the state at its last page
+boundary, kept for the finish-time checkpoint), and the radix tree keeps checkpoints in slots of its own.
 
 `SlotAllocator` is integers for the scheduler; `StateStorage` holds the tensors for the model runner.
 """
@@ -12,7 +15,7 @@ from kestrel.config import ModelConfig
 
 
 class SlotAllocator(FreeList):
-    """KDA state-slot ids for the scheduler: one per running request."""
+    """State-slot ids for the scheduler and the radix tree; zero slots for a model without KDA layers."""
 
     def __init__(self, num_slots: int) -> None:
         super().__init__(num_slots, "state slot")

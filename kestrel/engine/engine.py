@@ -1,4 +1,7 @@
-"""The step loop: schedule → one forward for every running request → sample → update."""
+"""The step loop: schedule → one forward for every running request → sample → advance → outputs.
+
+The engine owns what sampled tokens mean: appending them (and logprobs), detokenizing, the stop rules and the
+output objects; the scheduler only learns which requests finished."""
 
 from __future__ import annotations
 
@@ -14,15 +17,17 @@ import torch
 
 from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
+from kestrel.cache.pool_io import PoolIO
+from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from kestrel.engine.sampler import Sampler, SamplerOutput, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.engine.scheduler import Scheduler
+from kestrel.engine.scheduler import SchedulePlan, Scheduler
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
 from kestrel.tokenizer import load_tokenizer
@@ -69,6 +74,15 @@ class RequestOutput:
     finished: bool = False
 
 
+@dataclass
+class StepResult:
+    """What one step changed: requests that got a token or finished (streaming reads their new output) and the
+    outputs of request groups that finished."""
+
+    advanced: list[Request] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -85,7 +99,7 @@ class Engine:
         num_slots = self._num_slots()
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
-        self.slots = SlotAllocator(num_slots) if num_slots else None
+        self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers
         compile_max_bs = 0
         if config.compile:
             compile_max_bs = config.cuda_graph_max_bs if self.device.type == "cuda" else config.compile_max_bs
@@ -95,7 +109,7 @@ class Engine:
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.hicache: HiCache | None = None
-        self.cache: RadixCache | None = None
+        self.cache: RadixCache | NoPrefixCache = NoPrefixCache(self.pages, self.slots)
         if config.enable_prefix_caching:
             namespace = model_fingerprint(path, config)
             if config.hicache_size > 0 or config.hicache_storage_dir:
@@ -105,7 +119,7 @@ class Engine:
             self.cache = RadixCache(
                 self.pages,
                 self.slots,
-                self.runner,
+                PoolIO(self.runner.kv, self.runner.states, config.page_size),
                 config.state_track_interval,
                 config.max_states_per_path,
                 self.hicache,
@@ -115,17 +129,15 @@ class Engine:
         self.scheduler = Scheduler(
             self.pages,
             self.slots,
+            self.cache,
             config.max_running_requests,
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
-            eos,
-            self.cache,
         )
+        self.eos_token_ids = set(eos)
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
         self._groups: dict[str, list[Request]] = {}
-        # Requests that sampled a token or finished in the last step() (streaming reads their new output).
-        self.advanced: list[Request] = []
         log.info(
             "capacity: %d KV tokens (%d pages of %d), %d KDA state slots, max model len %d, device %s",
             num_pages * config.page_size,
@@ -230,11 +242,11 @@ class Engine:
         return self.scheduler.has_work
 
     # -- the loop --------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one model step; return outputs of request groups that finished during it."""
+    def step(self) -> StepResult:
+        """Run one model step; return the requests it advanced and the groups that finished during it."""
         plan = self.scheduler.schedule()
         done: list[Request] = list(plan.rejected)
-        self.advanced = []
+        advanced: list[Request] = []
         if not plan.empty:
             logits, _ = self.runner.execute(plan)
             self._record_prompt_logprobs(plan, logits.prompt)
@@ -243,13 +255,51 @@ class Engine:
                 for c in plan.chunks
                 if c.samples
             ]
-            self.advanced = [c.request for c in plan.chunks if c.samples]  # before update() appends the tokens
             sampled = self.sampler.sample(logits.sample, rows)
-            done += self.scheduler.update(plan, sampled)
-        self.advanced += [r for r in done if r not in self.advanced]
-        return self._collect_finished(done)
+            self.scheduler.advance(plan)
+            advanced, finished = self._process_outputs(plan, sampled)
+            done += finished
+        advanced += [r for r in done if r not in advanced]
+        return StepResult(advanced, self._collect_finished(done))
 
-    def _record_prompt_logprobs(self, plan, prompt_logits: dict) -> None:
+    def _process_outputs(self, plan: SchedulePlan, sampled: SamplerOutput) -> tuple[list[Request], list[Request]]:
+        """Append each sampled token, detokenize, apply the stop rules. Returns (sampled, finished) requests.
+
+        Sampled rows come back in plan order of the sampling chunks, so the chunks are walked in that order.
+        """
+        advanced, finished = [], []
+        for chunk in plan.chunks:
+            if not chunk.samples:
+                continue
+            req, i = chunk.request, len(advanced)
+            token = sampled.token_ids[i]
+            req.output_ids.append(token)
+            if req.params.logprobs is not None:
+                req.logprobs.append(sampled.logprobs[i])
+                req.top_logprobs.append(sampled.top_logprobs[i])
+            advanced.append(req)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                if req.detokenizer is not None and not req.detokenizer.stopped:
+                    req.output_text += req.detokenizer.flush()
+                finished.append(req)
+        return advanced, finished
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        params = req.params
+        if req.detokenizer is not None:
+            req.output_text += req.detokenizer.push(token)
+            if req.detokenizer.stopped:
+                return "stop"
+        if len(req.output_ids) >= params.min_tokens:
+            if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+                return "stop"
+        if len(req.output_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _record_prompt_logprobs(self, plan: SchedulePlan, prompt_logits: dict) -> None:
         for i, logits in prompt_logits.items():
             chunk = plan.chunks[i]
             req = chunk.request
@@ -292,17 +342,16 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counts; pages and slots the prefix cache could evict at once are reported apart from "used"."""
-        cached_pages = self.cache.evictable_pages() if self.cache is not None else 0
-        checkpoints = self.cache.device_checkpoints() if self.cache is not None else 0
+        checkpoints = self.cache.device_checkpoints()
         out = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "pages_used": self.pages.num_used - cached_pages,
+            "pages_used": self.pages.num_used - self.cache.evictable_pages(),
             "pages_total": self.pages.num_pages,
-            "slots_used": (self.slots.num_used if self.slots else 0) - checkpoints,
+            "slots_used": self.slots.num_used - checkpoints,
             "computed_tokens": self.scheduler.num_computed_tokens,
         }
-        if self.cache is not None:
+        if self.config.enable_prefix_caching:
             out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
             out["prefix_cache_pages"] = self.cache.device_pages()
             out["prefix_cache_checkpoints"] = self.cache.device_checkpoints()
@@ -315,8 +364,7 @@ class Engine:
 
     def close(self) -> None:
         """Write back what only memory holds (write_back policy) so the disk tier survives a restart."""
-        if self.hicache is not None:
-            self.hicache.flush()
+        self.cache.flush()
 
 
 def model_fingerprint(path: Path, config: EngineConfig) -> str:

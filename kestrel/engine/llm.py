@@ -6,7 +6,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:
-                for out in self.engine.step():
+                for out in self.engine.step().finished:
                     results[out.request_id] = out
                     bar.update(1)
         return [results[i] for i in ids]

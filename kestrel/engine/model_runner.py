@@ -208,27 +208,6 @@ class ModelRunner:
         )
         return batch, rows_t
 
-    # -- CacheIO: the tensor side of the radix cache and HiCache ---------------------------------------
-    def copy_state(self, src: int, dst: int) -> None:
-        self.states.copy(src, dst)
-
-    def gather_pages(self, pages: list[int]) -> torch.Tensor:
-        return self.kv.gather_pages(pages, self.page_size)
-
-    def scatter_pages(self, pages: list[int], packed: torch.Tensor) -> None:
-        self.kv.scatter_pages(pages, self.page_size, packed)
-
-    def gather_state(self, slot: int) -> dict[str, torch.Tensor]:
-        return self.states.gather(slot)
-
-    def scatter_state(self, slot: int, state: dict[str, torch.Tensor]) -> None:
-        self.states.scatter(slot, state)
-
-    @property
-    def packed_bytes_per_token(self) -> int:
-        first = next(iter(self.kv.latent.values()))
-        return self.kv.packed_width * first.element_size()
-
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
         routed = routed or any(c.request.routed_experts is not None for c in plan.chunks)

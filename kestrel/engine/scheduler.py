@@ -2,6 +2,8 @@
 
 Plain Python over integers: FCFS admission, a per-step token budget, chunked prefill mixed with decodes,
 preemption of the newest running request (pages and slot freed, re-queued for recompute) when memory runs out.
+What the sampled tokens mean (stop rules, text) is the engine's business; the scheduler only advances lengths
+and hands computed prefixes to the cache.
 With a radix cache, admission starts a request after its longest cached prefix, and the scheduler decides
 where KDA state checkpoints are taken: at the last page boundary of every prefill chunk, at every
 `state_track_interval` tokens, and (through the request's tail slot) at the last page boundary on finish.
@@ -14,10 +16,10 @@ import math
 from dataclasses import dataclass, field
 
 from kestrel.cache.kv_pool import PageAllocator
+from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator
 from kestrel.engine.request import Request, RequestStatus
-from kestrel.engine.sampler import SamplerOutput
 
 
 @dataclass
@@ -35,13 +37,22 @@ class ScheduledChunk:
         """The chunk reaches the end of the known tokens, so its last row yields the next token."""
         return self.start + self.num_tokens == self.request.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One token that samples: a decode row (plans put these first)."""
+        return self.num_tokens == 1 and self.samples
+
 
 @dataclass
 class SchedulePlan:
+    """One step. Decode chunks (one token that samples) come first, `num_decode` of them, then prefill chunks,
+    so the model runner can batch the decode rows as one block; sampled tokens come back in chunk order."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     fresh_slots: list[int] = field(default_factory=list)  # slots of requests starting from token 0
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # can never fit: finished with an error
+    num_decode: int = 0
 
     @property
     def empty(self) -> bool:
@@ -49,21 +60,21 @@ class SchedulePlan:
 
 
 class Scheduler:
+    """`schedule()` plans a step, `advance(plan)` records it once computed, `finish(req, reason)` lets one go."""
+
     def __init__(
         self,
         pages: PageAllocator,
-        slots: SlotAllocator | None,
+        slots: SlotAllocator,
+        cache: RadixCache | NoPrefixCache,
         max_running_requests: int,
         max_num_batched_tokens: int,
         chunked_prefill_size: int,
-        eos_token_ids: list[int],
-        cache: RadixCache | None = None,
     ) -> None:
         self.pages, self.slots, self.cache = pages, slots, cache
         self.max_running = max_running_requests
         self.budget = max_num_batched_tokens
         self.chunk_cap = math.inf if chunked_prefill_size == -1 else chunked_prefill_size
-        self.eos_token_ids = set(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.capacity_tokens = pages.num_pages * pages.page_size
@@ -82,42 +93,44 @@ class Scheduler:
         """Abort every (sub-)request with this id; pages and slot are freed at once."""
         hit = [r for r in list(self.waiting) + self.running if r.request_id == request_id]
         for req in hit:
-            self._finish(req, "abort", RequestStatus.ABORTED)
+            self.finish(req, "abort", RequestStatus.ABORTED)
         return hit
 
     def _release(self, req: Request) -> None:
-        if self.cache is not None:
-            self.cache.release(req)
-        elif req.pages:
-            self.pages.free(req.pages)
-            req.pages = []
+        self.cache.release(req.pages, req.cache_node)
+        req.pages, req.cache_node, req.cache_len = [], None, 0
         for slot in (req.slot, req.tail_slot):
-            if slot is not None and self.slots is not None:
+            if slot is not None:
                 self.slots.free(slot)
         req.slot = req.tail_slot = None
+
+    def _commit(self, req: Request, length: int, checkpoint: int | None = None) -> None:
+        got = self.cache.commit(req.all_ids, req.pages, length, req.cache_node, checkpoint)
+        req.pages, req.cache_node, req.cache_len = got.pages, got.node, got.length
+
+    def _commit_full_pages(self, req: Request) -> None:
+        """Without KDA any page boundary is reusable: commit up to the last full computed page."""
+        aligned = req.computed_len // self.pages.page_size * self.pages.page_size
+        if aligned > req.cache_len:
+            self._commit(req, aligned)
 
     def _commit_final(self, req: Request) -> None:
         """Give a leaving request's computed prefix to the cache: up to its tail checkpoint (KDA) or its last
         full page (attention-only models)."""
-        if self.cache is None:
-            return
-        if self.slots is None:
-            aligned = req.computed_len // self.pages.page_size * self.pages.page_size
-            if aligned > req.cache_len:
-                self.cache.commit(req, aligned)
+        if not self.cache.has_state:
+            self._commit_full_pages(req)
         elif req.tail_slot is not None:
             if req.tail_len > req.cache_len:
-                self.cache.commit(req, req.tail_len, req.tail_slot)
+                self._commit(req, req.tail_len, req.tail_slot)
             else:
                 self.slots.free(req.tail_slot)
             req.tail_slot = None
 
-    def _finish(self, req: Request, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
+    def finish(self, req: Request, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """The request leaves: a finished one gives its computed prefix to the cache; pages and slots are freed."""
         if status is RequestStatus.FINISHED:
             self._commit_final(req)
         self._release(req)
-        if status is RequestStatus.FINISHED and req.detokenizer is not None and not req.detokenizer.stopped:
-            req.output_text += req.detokenizer.flush()
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -139,17 +152,11 @@ class Scheduler:
         index = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(index, req)
 
-    def _alloc_pages(self, n: int) -> list[int] | None:
-        return self.cache.alloc_pages(n) if self.cache is not None else self.pages.alloc(n)
-
-    def _alloc_slot(self) -> int | None:
-        return self.cache.alloc_slot() if self.cache is not None else self.slots.alloc()
-
     def _reserve(self, req: Request, total_tokens: int) -> bool:
         extra = self.pages.pages_for(total_tokens) - len(req.pages)
         if extra <= 0:
             return True
-        got = self._alloc_pages(extra)
+        got = self.cache.alloc_pages(extra)
         if got is None:
             return False
         req.pages.extend(got)
@@ -171,18 +178,27 @@ class Scheduler:
             if chunk.samples and last == end and last - ps > max(start, req.cache_len):
                 commit.add(last - ps)
         for pos in sorted(commit):
-            slot = self._alloc_slot()
+            slot = self.cache.alloc_slot()
             if slot is not None:
                 chunk.snapshots.append((pos - start, slot, True))
         if chunk.num_tokens == 1 and end % ps == 0 and end not in commit and end > req.cache_len:
             if req.tail_slot is None:
-                req.tail_slot = self._alloc_slot()
+                req.tail_slot = self.cache.alloc_slot()
             if req.tail_slot is not None:
                 chunk.snapshots.append((1, req.tail_slot, False))
 
     # -- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
+        budget = self._schedule_running(plan)
+        if not plan.preempted:  # memory ran out: no admissions this step
+            self._admit_waiting(plan, budget)
+        self._finalize(plan)
+        return plan
+
+    def _schedule_running(self, plan: SchedulePlan) -> int:
+        """Next chunk of every running request, oldest first; preempts the newest when pages run out.
+        Returns the token budget left."""
         budget = self.budget
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running or budget <= 0:
@@ -199,8 +215,10 @@ class Scheduler:
                 budget -= n
         if plan.preempted:
             plan.chunks = [c for c in plan.chunks if c.request in self.running]
-            self._finalize(plan)
-            return plan
+        return budget
+
+    def _admit_waiting(self, plan: SchedulePlan, budget: int) -> None:
+        """FCFS: admit from the queue head while slots, pages and budget last (a prefix hit starts it later)."""
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             if req.num_tokens > self.capacity_tokens:
@@ -208,23 +226,25 @@ class Scheduler:
                 req.error = (
                     f"request needs {req.num_tokens} tokens of KV cache but the pool holds {self.capacity_tokens}"
                 )
-                self._finish(req, "abort", RequestStatus.ABORTED)
+                self.finish(req, "abort", RequestStatus.ABORTED)
                 plan.rejected.append(req)
                 continue
             if budget <= 0:
                 break
-            slot = None
-            if self.slots is not None:
-                slot = self._alloc_slot()
-                if slot is None:
+            if self.cache.has_state:
+                req.slot = self.cache.alloc_slot()
+                if req.slot is None:
                     break
-            req.slot = slot
             # Prompt logprobs need every prompt row computed, so such requests skip the match (as in vLLM);
             # what they compute is still committed for the requests after them.
-            reuse = self.cache is not None and req.params.prompt_logprobs is None
-            if reuse and not self.cache.acquire(req, self.cache.match(req.all_ids)):
-                self._unadmit(req)
-                break
+            if req.params.prompt_logprobs is None:
+                got = self.cache.acquire(req.all_ids, self.cache.match(req.all_ids), req.slot, len(req.prompt_ids))
+                if got is None:
+                    self._unadmit(req)
+                    break
+                req.pages, req.cache_node, req.cache_len = got.pages, got.node, got.length
+                req.computed_len = req.cached_tokens = got.length
+                req.cache_hits = got.hits_by_tier
             need = req.num_tokens - req.computed_len
             n = min(need, self.chunk_cap, budget)
             if n < need and self.chunk_cap == math.inf:
@@ -238,12 +258,10 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if slot is not None and req.computed_len == 0:
-                plan.fresh_slots.append(slot)
+            if req.slot is not None and req.computed_len == 0:
+                plan.fresh_slots.append(req.slot)
             plan.chunks.append(ScheduledChunk(req, req.computed_len, n))
             budget -= n
-        self._finalize(plan)
-        return plan
 
     def _unadmit(self, req: Request) -> None:
         """Undo a partial admission (prefix lock, pages, slot): the request stays first in the queue."""
@@ -252,58 +270,27 @@ class Scheduler:
         req.cache_hits = {}
 
     def _finalize(self, plan: SchedulePlan) -> None:
+        plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first, each group in its own order
+        plan.num_decode = sum(c.is_decode for c in plan.chunks)
         for chunk in plan.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.num_computed_tokens += chunk.num_tokens
-            if self.cache is not None and self.slots is not None:
+            if self.cache.takes_checkpoints:
                 self._plan_snapshots(chunk)
 
-    def update(self, plan: SchedulePlan, sampled: SamplerOutput) -> list[Request]:
-        """Advance computed lengths, append sampled tokens, apply stop rules. Returns requests finished now."""
-        finished = []
-        sample_i = 0
+    def advance(self, plan: SchedulePlan) -> None:
+        """After the forward: the chunks are computed; commit their checkpoints (or full pages) to the cache."""
         for chunk in plan.chunks:
-            req = chunk.request
-            req.computed_len = chunk.start + chunk.num_tokens
+            chunk.request.computed_len = chunk.start + chunk.num_tokens
             self._cache_chunk(chunk)
-            if not chunk.samples:
-                continue
-            token = sampled.token_ids[sample_i]
-            req.output_ids.append(token)
-            if req.params.logprobs is not None:
-                req.logprobs.append(sampled.logprobs[sample_i])
-                req.top_logprobs.append(sampled.top_logprobs[sample_i])
-            sample_i += 1
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-                finished.append(req)
-        return finished
 
     def _cache_chunk(self, chunk: ScheduledChunk) -> None:
         """After a step: commit the chunk's checkpoints (or, without KDA, its full pages) to the cache."""
-        if self.cache is None:
-            return
         req = chunk.request
         for offset, slot, commit in chunk.snapshots:
             if commit:
-                self.cache.commit(req, chunk.start + offset, slot)
+                self._commit(req, chunk.start + offset, slot)
             else:
                 req.tail_len = chunk.start + offset
-        if self.slots is None and chunk.num_tokens > 1:
-            aligned = req.computed_len // self.pages.page_size * self.pages.page_size
-            if aligned > req.cache_len:
-                self.cache.commit(req, aligned)
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        params = req.params
-        if req.detokenizer is not None:
-            req.output_text += req.detokenizer.push(token)
-            if req.detokenizer.stopped:
-                return "stop"
-        if len(req.output_ids) >= params.min_tokens:
-            if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-                return "stop"
-        if len(req.output_ids) >= params.max_tokens:
-            return "length"
-        return None
+        if not self.cache.has_state and chunk.num_tokens > 1:
+            self._commit_full_pages(req)

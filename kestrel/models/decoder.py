@@ -60,7 +60,8 @@ class DecoderLayer(nn.Module):
     def forward_attn_res(
         self, partial: torch.Tensor | None, bank: list[torch.Tensor], batch: ForwardBatch, rope: tuple | None
     ) -> torch.Tensor:
-        """AttnRes block (DESIGN §2): mix → maybe snapshot → attention → mix → MLP. Returns the new partial."""
+        """AttnRes block: softmax-mix the block snapshots and the running partial sum → maybe snapshot →
+        attention → mix → MLP. Returns the new partial."""
         x = (
             attn_res_mix(
                 partial, bank, self.self_attention_res_proj.weight, self.self_attention_res_norm.weight, self.eps

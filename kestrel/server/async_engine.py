@@ -202,8 +202,8 @@ class AsyncEngine:
                     else:
                         self._abort(cmd[1], out)
                 if engine.has_unfinished:
-                    finished = engine.step()
-                    self._collect(engine.advanced, finished, out)
+                    result = engine.step()
+                    self._collect(result.advanced, result.finished, out)
             except Exception:  # a bug in a step must not hang every client: fail them, keep serving
                 log.exception("engine step failed; aborting all requests")
                 self._abort_all(out, "internal engine error", status=500)

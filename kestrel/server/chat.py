@@ -14,9 +14,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
+from kestrel.chat_template import THINK_BEGIN, render_chat
 from kestrel.engine.engine import RequestOutput
 from kestrel.server.async_engine import SeqDelta
-from kestrel.server.chat_template import THINK_BEGIN, render_chat
 from kestrel.server.errors import APIError, error_body
 from kestrel.server.protocol import ChatCompletionRequest
 from kestrel.server.reasoning import ReasoningParser

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kestrel.config import EngineConfig
+from kestrel.engine.config import EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.models.builtin import builtin_model_path
 from kestrel.server.args import ServerConfig

@@ -7,7 +7,7 @@ the text was chunked: parsing the whole text at once gives the concatenation of 
 
 from __future__ import annotations
 
-from kestrel.server.chat_template import THINK_BEGIN, THINK_END
+from kestrel.chat_template import THINK_BEGIN, THINK_END
 
 
 def marker_prefix_len(text: str, markers: tuple[str, ...]) -> int:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel.server.chat_template import CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, tool_call_id
+from kestrel.chat_template import CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, tool_call_id
 from kestrel.server.reasoning import marker_prefix_len
 
 ALL_MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_ARGS, CALL_END)

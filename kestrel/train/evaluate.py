@@ -7,9 +7,9 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from kestrel.chat_template import THINK_END, render_chat
 from kestrel.engine.llm import LLM
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.server.chat_template import THINK_END, render_chat
 from kestrel.train.data import arithmetic_episode, tool_episode
 
 HELD_OUT_SEED = 10_000

@@ -20,13 +20,13 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from kestrel.chat_template import GENERATION_PROMPT, IM_END, IM_MIDDLE, IM_SYSTEM, render_message, tools_json
 from kestrel.config import model_config_from_dict
 from kestrel.models.checkpoint import init_random_, save_checkpoint
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.moe import MoE
 from kestrel.models.loader import build_model, load_weights
-from kestrel.server.chat_template import GENERATION_PROMPT, IM_END, IM_MIDDLE, IM_SYSTEM, render_message, tools_json
 from kestrel.tokenizer import save_tokenizer
 from kestrel.train.data import Episode
 

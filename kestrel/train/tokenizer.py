@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kestrel.server.chat_template import IM_END, MARKER_TOKENS, PAD, SPECIAL_TOKENS, render_chat
+from kestrel.chat_template import IM_END, MARKER_TOKENS, PAD, SPECIAL_TOKENS, render_chat
 from kestrel.tokenizer import add_chat_tokens
 from kestrel.train.data import Episode
 

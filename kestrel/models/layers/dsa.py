@@ -10,7 +10,8 @@ from kestrel.models.layers.rope import apply_rope_half
 
 
 class Indexer(nn.Module):
-    """Score(t, s) = Σ_h w_h · ReLU(D^-1/2 · q[t,h]·k[s]); one cached key per token."""
+    """DSA lightning indexer: Score(t, s) = Σ_h w_h · ReLU(D^-1/2 · q[t,h]·k[s]) for s ≤ t, and MLA reads only
+    the top-k scored positions; one cached key per token."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
