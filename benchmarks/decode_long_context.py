@@ -5,7 +5,7 @@ top-2048), random weights. For each context L the paged KV cache is filled direc
 index keys at the scale the layers produce (unit RMS after their norms) instead of running a prefill, then one decode
 token per sequence is timed through the whole stack: with the indexer switched off (dense MLA over all L tokens, same
 weights) and with it (DSA), through the engine's `PagedCacheView`: DSA decode reads all L index keys but only the
-k selected latents (`load_index_key` / `load_kv_at`).
+k selected latents (`decode_index_keys` / `decode_kv_at`).
 
 Reports median ms per decode step over --repeats (after --warmup steps) and the DSA/dense ratio per context, and
 writes benchmarks/results/decode_long_context.json.
@@ -89,7 +89,9 @@ class DecodeSetup:
             extend_lens=[1] * self.batch,
             prefix_lens=[self.context] * self.batch,
         )
-        batch.cache = view(self.kv, None, self.write, self.history, None)
+        lengths = [self.context + 1] * self.batch
+        table, zeros = torch.stack(self.history), torch.zeros(self.batch, dtype=torch.long)
+        batch.cache = view(self.kv, None, table, torch.tensor(lengths), lengths, self.batch, self.write, zeros, None)
         return batch
 
 

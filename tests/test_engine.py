@@ -68,10 +68,12 @@ def test_sixteen_requests_batched_and_chunked_match_reference(family, chunk, tin
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_requests_arriving_while_others_decode(family, tiny_checkpoints):
+def test_requests_arriving_while_others_decode_run_mixed_steps(family, tiny_checkpoints):
+    """Prompts join while others decode: those steps run decode rows and prefill chunks in one forward."""
     llm = LLM(str(tiny_checkpoints[family]), max_total_tokens=4096, chunked_prefill_size=16)
     prompts = _prompts(6, 259, seed=3)
     engine = llm.engine
+    steps = _spy_batches(engine)
     ids, results = [], {}
     for i, p in enumerate(prompts):
         ids.append(engine.add_request(p, _greedy(8)))
@@ -82,6 +84,41 @@ def test_requests_arriving_while_others_decode(family, tiny_checkpoints):
         for out in engine.step().finished:
             results[out.request_id] = out
     _assert_matches_reference(llm, prompts, [results[i] for i in ids], 8)
+    _assert_all_freed(llm)
+    mixed = [(nd, n) for nd, n in steps if 0 < nd < n]
+    assert len(mixed) >= 5, steps  # every arrival after the first joins decoding requests
+
+
+def _spy_batches(engine) -> list[tuple[int, int]]:
+    """Record (decode rows, sequences) of every batch the runner executes."""
+    seen, execute = [], engine.runner.execute
+
+    def spy(plan, *args, **kwargs):
+        logits, batch = execute(plan, *args, **kwargs)
+        seen.append((batch.num_decode, batch.num_seqs))
+        return logits, batch
+
+    engine.runner.execute = spy
+    return seen
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_reference_in_every_bucket(tiny_checkpoints):
+    """--compile: pure decode steps of 1, 2 and 3 (padded to 4) rows run the compiled graph; same tokens."""
+    llm = LLM(str(tiny_checkpoints["kimi_k3"]), max_total_tokens=4096, page_size=8, compile=True, compile_max_bs=4)
+    compiled = llm.engine.runner.compiled
+    assert compiled.buckets == [1, 2, 4]
+    ran, call = [], compiled.__class__.__call__
+    compiled.__class__.__call__ = lambda self, batch: (ran.append(batch.num_seqs), call(self, batch))[1]
+    try:
+        prompts = _prompts(3, 259, seed=8, lo=20, hi=90)  # DSA histories past top-k (16): the gathered form
+        params = [_greedy(n) for n in (4, 9, 14)]  # decode batches shrink 3 -> 2 -> 1 as requests finish
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        compiled.__class__.__call__ = call
+    assert set(ran) == {1, 2, 4}  # the 3-row steps padded to the 4 bucket
+    for prompt, out, n in zip(prompts, outputs, (4, 9, 14)):
+        _assert_matches_reference(llm, [prompt], [out], n)
     _assert_all_freed(llm)
 
 

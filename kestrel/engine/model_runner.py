@@ -53,9 +53,6 @@ class PagedCacheView:
     def decode_lengths(self):
         return self.history_lens[: self.decode_slots.shape[0]]
 
-    def decode_width(self):
-        return self.decode_slots.shape[1]
-
     def decode_kv(self, layer):
         return self.kv.latent[layer][self.decode_slots], self.kv.rope_key[layer][self.decode_slots]
 

@@ -29,9 +29,6 @@ class ModelCache(Protocol):
     def decode_lengths(self) -> torch.Tensor:
         """History length (prefix + the new token) of each decode row [D]."""
 
-    def decode_width(self) -> int:
-        """L_max: the longest decode-row history (the padded width of the decode reads)."""
-
     def decode_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows' histories padded to [D, L_max, r] latents and [D, L_max, dr] rope keys."""
 

@@ -48,9 +48,6 @@ class SimpleCache:
         entries = self._decode_entries(next(iter(self.kv)))
         return torch.tensor([e[0].shape[0] for e in entries], device=entries[0][0].device)
 
-    def decode_width(self) -> int:
-        return int(self.decode_lengths().max())
-
     def _padded(self, layer: int, j: int) -> torch.Tensor:
         return torch.nn.utils.rnn.pad_sequence([e[j] for e in self._decode_entries(layer)], batch_first=True)
 

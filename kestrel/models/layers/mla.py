@@ -131,23 +131,16 @@ class MLAAttention(nn.Module):
         logp = torch.log_softmax(index_scores.masked_fill(~causal, float("-inf")), dim=-1)
         return -(target * logp.masked_fill(~causal, 0.0)).sum(-1).mean()
 
-    def _gathers(self, history_len: int) -> bool:
-        """Whether a decode query over `history_len` tokens takes the gathered sparse form."""
-        return self.indexer is not None and history_len > self.indexer.topk and not self.training
-
     def _decode(self, q_nope, q_rope, index_q, index_w, cache) -> torch.Tensor:
         """One new token for each decode row, all at once, in latent space over padded histories. [D, H, dv].
 
-        DSA rows whose history is longer than top-k read only the selected latents (the gathered form); the other
-        forms mask the padded history. Both equal the per-sequence masked form up to summation order.
+        DSA rows read only the latents the indexer selects (all of a history no longer than top-k, in score order),
+        so a long history costs its index keys plus k latents. Equals the per-sequence masked form up to summation
+        order. Only tensor shapes are read (no Python ints from the batch), so a compiled step keeps one graph.
         """
-        # Histories are padded to the longest one; only tensor shapes are read, so a compiled step keeps one graph.
         lengths = cache.decode_lengths()
-        gathers = self._gathers(cache.decode_width())
-        latent = rope_key = None
-        if not gathers:
-            latent, rope_key = cache.decode_kv(self.layer_id)
         if self.indexer is None:
+            latent, rope_key = cache.decode_kv(self.layer_id)
             allowed = torch.arange(latent.shape[1], device=latent.device)[None, :] < lengths[:, None]  # [D, L]
             return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
         keys = cache.decode_index_keys(self.layer_id)
@@ -156,14 +149,11 @@ class MLAAttention(nn.Module):
         if self.record_index_scores is not None:
             for b, n in enumerate(lengths.tolist()):
                 self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
-        if keys.shape[1] > self.indexer.topk:
-            idx = scores.topk(self.indexer.topk, dim=-1, sorted=False).indices  # [D, k]
-            if gathers:
-                selected = allowed.gather(1, idx)  # False only on padding picked for histories shorter than k
-                latent, rope_key = cache.decode_kv_at(self.layer_id, idx.masked_fill(~selected, 0))
-                return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
-            allowed = allowed & torch.zeros_like(allowed).scatter_(-1, idx, True)
-        return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
+        k = torch.sym_min(self.indexer.topk, keys.shape[1])
+        idx = scores.topk(k, dim=-1, sorted=False).indices  # [D, k]
+        selected = allowed.gather(1, idx)  # False only on padding picked for histories shorter than k
+        latent, rope_key = cache.decode_kv_at(self.layer_id, idx.masked_fill(~selected, 0))
+        return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
 
     def _attend_latent_padded(self, q_nope, q_rope, latent, rope_key, allowed) -> torch.Tensor:
         """Absorbed attention of one query per sequence over its own keys: latents [B, L, r], allowed [B, L]."""
