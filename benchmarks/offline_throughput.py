@@ -1,6 +1,7 @@
 """Offline throughput: Kestrel's engine vs Hugging Face `generate`, same checkpoint and prompts, one run.
 
-Prints output tokens/s of each at the given concurrency and their ratio, plus batch-1 inter-token latency.
+Prints output tokens/s of each at the given concurrency and their ratio, plus batch-1 inter-token latency (eager and
+with `--compile`).
 Writes JSON to benchmarks/results/offline_throughput.json.
 """
 
@@ -41,10 +42,10 @@ def kestrel_throughput(path: str, prompts, new_tokens: int) -> tuple[float, floa
     return produced / elapsed, elapsed
 
 
-def kestrel_itl(path: str, prompt, new_tokens: int) -> float:
+def kestrel_itl(path: str, prompt, new_tokens: int, compile: bool = False) -> float:
     from kestrel import LLM, SamplingParams
 
-    llm = LLM(path, max_total_tokens=len(prompt) + new_tokens + 64)
+    llm = LLM(path, max_total_tokens=len(prompt) + new_tokens + 64, compile=compile, compile_max_bs=1)
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     times = []
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,32")
     ap.add_argument("--itl-tokens", type=int, default=32)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled (--compile) batch-1 ITL")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: make-model kimi_linear small)")
     ap.add_argument("--out", default="benchmarks/results/offline_throughput.json")
     args = ap.parse_args()
@@ -106,6 +108,7 @@ def main() -> None:
 
     k_tps, k_time = kestrel_throughput(path, prompts, args.new_tokens)
     k_itl = kestrel_itl(path, prompts[0], args.itl_tokens)
+    k_itl_compiled = None if args.no_compile else kestrel_itl(path, prompts[0], args.itl_tokens, compile=True)
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf_results = {}
@@ -131,9 +134,14 @@ def main() -> None:
         "transformers_itl_ms": hf_itl * 1e3,
         "itl_speedup": hf_itl / k_itl,
     }
+    if k_itl_compiled is not None:
+        result |= {"kestrel_compiled_itl_ms": k_itl_compiled * 1e3, "compiled_itl_speedup": hf_itl / k_itl_compiled}
     print(f"{'':24}{'kestrel':>12}{'transformers':>14}{'ratio':>8}")
     print(f"{'output tok/s':24}{k_tps:12.1f}{hf_results[best_bs]:14.1f}{result['throughput_ratio']:8.2f}")
     print(f"{'batch-1 ITL (ms)':24}{k_itl * 1e3:12.1f}{hf_itl * 1e3:14.1f}{result['itl_speedup']:8.2f}")
+    if k_itl_compiled is not None:
+        speedup = result["compiled_itl_speedup"]
+        print(f"{'  with --compile':24}{k_itl_compiled * 1e3:12.1f}{hf_itl * 1e3:14.1f}{speedup:8.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -43,8 +43,8 @@ class CompiledDecode:
         self.runner = runner
         self.buckets = batch_buckets(max_bs)
         self.cuda_graphs = runner.device.type == "cuda"
-        # One graph per bucket and per DSA branch (history within or past top-k).
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.buckets))
+        # One graph per bucket (and a spare each for shapes dynamo specialises, such as a one-token history).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
         mode = "reduce-overhead" if self.cuda_graphs else None
         self._forward = torch.compile(runner.model, mode=mode)
 
@@ -67,16 +67,12 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every bucket now (both DSA branches), so no request waits for a compilation."""
+        """Compile every bucket now, so no request waits for a compilation."""
         from kestrel.engine.model_runner import StepInputs
 
-        runner, cfg = self.runner, self.runner.model.cfg
-        widths = [2]
-        if cfg.has_indexer:
-            widths.append(cfg.index_topk + 1)
+        runner, width = self.runner, 2
         start = time.perf_counter()
-        shapes = [(bs, w) for bs in self.buckets for w in widths]
-        for bs, width in tqdm(shapes, desc="compiling decode step", unit="graph"):
+        for bs in tqdm(self.buckets, desc="compiling decode step", unit="bucket"):
             inputs = StepInputs()
             pages = [runner.scratch_page] * (-(-width // runner.page_size))
             for _ in range(bs):

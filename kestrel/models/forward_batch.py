@@ -51,6 +51,21 @@ class ModelCache(Protocol):
 
 
 @dataclass
+class PrefillPhase:
+    """One padded KDA call: segment [starts[i], starts[i] + lens[i]) of each sequence in `seqs`, all at once.
+
+    A sequence's prefill chunk is cut at its snapshot offsets; phase p runs every sequence's p-th segment, so the
+    states after a phase are the snapshots (or, after its last segment, the sequence's final state).
+    """
+
+    seqs: list[int]
+    starts: list[int]
+    lens: list[int]
+    rows: torch.Tensor  # flat token rows of the segments, in order
+    snapshot: list[int | None]  # per sequence: index into state_snapshots[seq] taken after this segment, or None
+
+
+@dataclass
 class ForwardBatch:
     """Flat tokens of several sequences plus where each one starts; see module docstring."""
 
@@ -68,6 +83,7 @@ class ForwardBatch:
     state_snapshots: list[list[int]] | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
     _leading_single: int = field(default=0, repr=False)
+    _phases: list[PrefillPhase] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.extend_lens) != len(self.prefix_lens):
@@ -102,6 +118,28 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every sequence is a decode row."""
         return self.num_decode == self.num_seqs
+
+    def prefill_phases(self) -> list[PrefillPhase]:
+        """The prefill sequences' segments, grouped into padded calls (computed once per batch, shared by layers)."""
+        if self._phases is None:
+            self._phases = []
+            bounds = {}
+            for seq in range(self.num_decode, self.num_seqs):
+                snaps = self.state_snapshots[seq] if self.state_snapshots else []
+                bounds[seq] = [0, *snaps, self.extend_lens[seq]]
+            for p in range(max((len(b) - 1 for b in bounds.values()), default=0)):
+                seqs = [seq for seq, b in bounds.items() if len(b) > p + 1]
+                starts = [bounds[seq][p] for seq in seqs]
+                lens = [bounds[seq][p + 1] - bounds[seq][p] for seq in seqs]
+                rows = [
+                    r
+                    for seq, a, n in zip(seqs, starts, lens)
+                    for r in range(self._starts[seq] + a, self._starts[seq] + a + n)
+                ]
+                snapshot = [p if p + 2 < len(bounds[seq]) else None for seq in seqs]
+                rows_t = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+                self._phases.append(PrefillPhase(seqs, starts, lens, rows_t, snapshot))
+        return self._phases
 
     def seq_slice(self, seq: int) -> slice:
         start = self._starts[seq]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.forward_batch import ForwardBatch, PrefillPhase
 from kestrel.models.layers.kda_ops import kda_chunked, kda_recurrent, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
@@ -79,28 +79,30 @@ class KDAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         mixed, g, beta, gate = self.project(x)
-        cache = batch.cache
-        if cache is None and batch.num_seqs > 1:
-            return self._output(self.forward_padded(mixed, g, beta, batch), gate, x.dtype)
+        cache, nd, n = batch.cache, batch.num_decode, batch.num_seqs
         if cache is not None:
             conv_state, rec_state = cache.load_state(self.layer_id)
         else:
-            conv_state, rec_state = self.empty_state(batch.num_seqs, x.device)
-        nd = batch.num_decode
-        outs, convs, recs = [], [], []
-        if nd:
-            o, conv_d, rec_d = self.decode(mixed[:nd], g[:nd], beta[:nd], conv_state[:nd], rec_state[:nd])
-            outs.append(o)
-            convs.append(conv_d)
-            recs.append(rec_d)
-        for seq in range(nd, batch.num_seqs):
-            o, conv_s, rec_s = self.prefill(mixed, g, beta, batch, seq, conv_state[seq], rec_state[seq])
-            outs.append(o)
-            convs.append(conv_s[None])
-            recs.append(rec_s[None])
+            conv_state, rec_state = self.empty_state(n, x.device)
+        if nd == n:
+            o, conv_state, rec_state = self.decode(mixed, g, beta, conv_state, rec_state)
+        else:
+            o = mixed.new_empty(mixed.shape[0], self.n_heads, self.head_dim, dtype=torch.float32)
+            if nd:
+                o[:nd], conv_state[:nd], rec_state[:nd] = self.decode(
+                    mixed[:nd], g[:nd], beta[:nd], conv_state[:nd], rec_state[:nd]
+                )
+            for phase in batch.prefill_phases():
+                seqs = torch.as_tensor(phase.seqs, device=x.device)
+                out, conv_p, rec_p = self.prefill(mixed, g, beta, phase, conv_state[seqs], rec_state[seqs])
+                o = o.index_copy(0, phase.rows, out)
+                conv_state, rec_state = conv_state.index_copy(0, seqs, conv_p), rec_state.index_copy(0, seqs, rec_p)
+                for i, (seq, j) in enumerate(zip(phase.seqs, phase.snapshot)):
+                    if j is not None:
+                        cache.store_state_snapshot(self.layer_id, seq, j, conv_p[i], rec_p[i])
         if cache is not None:
-            cache.store_state(self.layer_id, torch.cat(convs), torch.cat(recs))
-        return self._output(torch.cat(outs), gate, x.dtype)
+            cache.store_state(self.layer_id, conv_state, rec_state)
+        return self._output(o, gate, x.dtype)
 
     def decode(self, mixed, g, beta, conv_state, rec_state):
         """One new token for each of B sequences, all at once: conv window, then one recurrent step."""
@@ -110,47 +112,28 @@ class KDAAttention(nn.Module):
         o, rec_state = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], rec_state)
         return o[:, 0], window[:, :, 1:], rec_state
 
-    def prefill(self, mixed, g, beta, batch: ForwardBatch, seq: int, conv_state, rec_state):
-        """One sequence's new tokens from its states; also hands the states at its snapshot offsets to the cache.
+    def prefill(self, mixed, g, beta, phase: PrefillPhase, conv_state, rec_state):
+        """One segment of each of several sequences in one right-padded call, each from its own states.
 
-        (A decode row's only snapshot is the state after its token: the runner copies that slot after the step.)
+        Trailing padding has zero inputs, β = 0 and g = 0: it leaves every real output and the final states unchanged.
+        Returns outputs [tokens, H, V] (the segments' rows in order) and the states after each segment.
         """
-        sl, keep = batch.seq_slice(seq), self.kernel - 1
-        full = torch.cat([conv_state.to(mixed.dtype), mixed[sl].t()], dim=-1)  # [3C, keep + n]
-        conv_out = F.conv1d(full[None], self.conv1d.weight, groups=self.conv_dim)[0].t()  # [n, 3C]
-        q, k, v = self._qkv(F.silu(conv_out))
-        g, beta = g[sl], beta[sl]
-        snaps = batch.state_snapshots[seq] if batch.state_snapshots else []
-        # Snapshot offsets split the chunk into segments; each segment continues from the last state.
-        outs, state, lo = [], rec_state[None], 0
-        for j, hi in enumerate([*snaps, sl.stop - sl.start]):
-            if hi > lo:
-                form = kda_recurrent if hi - lo <= RECURRENT_MAX_TOKENS else kda_chunked
-                part = slice(lo, hi)
-                o, state = form(q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part], state)
-                outs.append(o[0])
-                lo = hi
-            if j < len(snaps):
-                # The inputs before offset m sit at full[:, m : m + keep] (full starts with the keep old ones).
-                batch.cache.store_state_snapshot(self.layer_id, seq, j, full[:, hi : hi + keep], state[0])
-        return torch.cat(outs), full[:, -keep:], state[0]
-
-    def forward_padded(self, mixed, g, beta, batch: ForwardBatch) -> torch.Tensor:
-        """Whole sequences from an empty state (training, full forward): all sequences in one padded call.
-
-        Trailing padding has zero inputs, β = 0 and g = 0, so it leaves every real position unchanged.
-        """
-        lens = torch.tensor(batch.extend_lens, device=mixed.device)
-        width = int(lens.max())
-        real = torch.arange(width, device=mixed.device)[None, :] < lens[:, None]  # [B, L]
+        device, width, keep = mixed.device, max(phase.lens), self.kernel - 1
+        if width == 0:  # snapshots at the segments' starts: the states as they are
+            return mixed.new_empty(0, self.n_heads, self.head_dim, dtype=torch.float32), conv_state, rec_state
+        lens = torch.tensor(phase.lens, device=device)
+        real = torch.arange(width, device=device)[None, :] < lens[:, None]  # [b, L]
 
         def pad(flat: torch.Tensor) -> torch.Tensor:
             out = flat.new_zeros(real.shape + flat.shape[1:])
-            out[real] = flat
+            out[real] = flat[phase.rows]
             return out
 
-        conv_in = F.pad(pad(mixed).transpose(1, 2), (self.kernel - 1, 0))
-        conv = F.silu(F.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)  # [B, L, 3C]
+        conv_in = torch.cat([conv_state.to(mixed.dtype), pad(mixed).transpose(1, 2)], dim=-1)  # [b, 3C, keep + L]
+        conv = F.silu(F.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)  # [b, L, 3C]
+        # The conv state after a segment: its last keep inputs, at conv_in[:, :, len : len + keep].
+        at = (lens[:, None] + torch.arange(keep, device=device))[:, None, :].expand(-1, self.conv_dim, -1)
         q, k, v = self._qkv(conv)
-        o, _ = kda_chunked(q, k, v, pad(g), pad(beta))
-        return o[real]
+        form = kda_recurrent if width <= RECURRENT_MAX_TOKENS else kda_chunked
+        o, state = form(q, k, v, pad(g), pad(beta), rec_state)
+        return o[real], conv_in.gather(2, at).to(conv_state.dtype), state

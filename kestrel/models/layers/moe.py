@@ -11,8 +11,8 @@ from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.weight_loaders import expert_loader, set_loader
 
-# Up to this many (token, expert) pairs, gathering each pair's weights beats a loop over experts.
-GATHERED_MAX_PAIRS = 0
+# In a compiled step, up to this many (token, expert) pairs run as gathered-weight batched matmuls.
+GATHERED_MAX_PAIRS = 16
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -95,8 +95,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """All routed experts as two stacked weights (fused gate|up and down), run as a grouped computation.
 
-    Few (token, expert) pairs (decode): gather each pair's expert weights and run two batched matmuls. Many:
-    sort the pairs by expert and run one GEMM per expert over its contiguous segment.
+    Eager: sort the (token, expert) pairs by expert and run one GEMM per expert over its contiguous segment (the
+    weights are read in place). Compiled: few pairs gather each pair's weights into two batched matmuls, which
+    inductor fuses with the gather; many pairs call the segment loop as one opaque op.
     """
 
     def __init__(self, cfg: ModelConfig, hidden: int) -> None:
@@ -109,10 +110,10 @@ class Experts(nn.Module):
         self.act = GatedActivation(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
+        if not torch.compiler.is_compiling():
             return expert_segments(x, ids, weights, self.gate_up_proj, self.down_proj, *self.act_args)
         if ids.numel() <= GATHERED_MAX_PAIRS:
-            return self._gathered(x, ids, weights)
+            return self._gathered(x, ids, weights)  # inductor reads the gathered weights in place, no copy
         # An opaque op: a compiled decode step keeps its one graph around the data-dependent loop over experts.
         return torch.ops.kestrel.expert_segments(x, ids, weights, self.gate_up_proj, self.down_proj, *self.act_args)
 
