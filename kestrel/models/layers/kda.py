@@ -12,7 +12,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PrefillPhase
-from kestrel.models.layers.kda_ops import kda_chunked, kda_recurrent, l2_normalize
+from kestrel.models.layers.kda_ops import kda_chunked, kda_recurrent, kda_step, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
 from kestrel.models.weight_loaders import reshape_loader, set_loader, stacked_loader
@@ -60,17 +60,18 @@ class KDAAttention(nn.Module):
 
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g ≤ 0, [T, H, K], fp32."""
-        g = (self.f_b_proj(f_a).float() + self.dt_bias.float()).view(-1, self.n_heads, self.head_dim)
-        decay = self.A_log.float().exp().view(1, self.n_heads, 1)
+        g = (self.f_b_proj(f_a).float() + self.dt_bias).view(-1, self.n_heads, self.head_dim)
+        decay = self.A_log.exp().view(1, self.n_heads, 1)  # A_log and dt_bias are kept in fp32
         if self.gate_lower_bound is not None:
             return self.gate_lower_bound * torch.sigmoid(decay * g)
-        return -decay * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+        return F.softplus(g, threshold=20.0) * -decay  # softplus(g) = g above 20, log1p(exp(g)) below
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv output into heads; q, k L2-normalised (fp32), q scaled by K^-1/2."""
-        shape = (*conv_out.shape[:-1], self.n_heads, self.head_dim)
-        q, k, v = (y.reshape(shape) for y in conv_out.split(self.conv_dim // 3, dim=-1))
-        return l2_normalize(q.float()) * self.head_dim**-0.5, l2_normalize(k.float()), v
+        c = self.conv_dim // 3
+        qk = l2_normalize(conv_out[..., : 2 * c].float().unflatten(-1, (2, self.n_heads, self.head_dim)))
+        v = conv_out[..., 2 * c :].unflatten(-1, (self.n_heads, self.head_dim))
+        return qk[..., 0, :, :] * self.head_dim**-0.5, qk[..., 1, :, :], v
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = o.shape[0]
@@ -109,8 +110,8 @@ class KDAAttention(nn.Module):
         window = torch.cat([conv_state, mixed.to(conv_state.dtype)[:, :, None]], dim=-1)  # [B, 3C, kernel]
         conv_out = F.silu((window * self.conv1d.weight.squeeze(1)[None]).sum(-1))
         q, k, v = self._qkv(conv_out)
-        o, rec_state = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], rec_state)
-        return o[:, 0], window[:, :, 1:], rec_state
+        o, rec_state = kda_step(q, k, v, g, beta, rec_state)
+        return o, window[:, :, 1:], rec_state
 
     def prefill(self, mixed, g, beta, phase: PrefillPhase, conv_state, rec_state):
         """One segment of each of several sequences in one right-padded call, each from its own states.

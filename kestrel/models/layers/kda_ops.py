@@ -79,6 +79,20 @@ def kda_recurrent(
     return torch.stack(outs, dim=1), S
 
 
+def kda_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of `kda_recurrent` for a batch of sequences (the decode form), without its dtype round trips.
+
+    q, k, g: [B, H, K] fp32; v: [B, H, V]; beta: [B, H]; state: [B, H, K, V] fp32. Returns (o [B, H, V], state).
+    """
+    state = state * g.exp().unsqueeze(-1)
+    kv_mem = torch.matmul(k.unsqueeze(-2), state).squeeze(-2)  # S^T k
+    delta = (v.to(state.dtype) - kv_mem) * beta.unsqueeze(-1)
+    state = torch.addcmul(state, k.unsqueeze(-1), delta.unsqueeze(-2))  # + k delta^T
+    return torch.matmul(q.unsqueeze(-2), state).squeeze(-2), state
+
+
 def _intra_chunk_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """P[..., i, j] = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c]) for j <= i (0 above the diagonal), per chunk.
 

@@ -24,13 +24,6 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
     return (act * u).to(gate.dtype)
 
 
-def gated_act(gate: torch.Tensor, up: torch.Tensor, kind: str, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """act(gate, up) for `hidden_act` `kind` (SiTU's betas are ignored for SiLU)."""
-    if kind == "situ":
-        return situ(gate, up, beta, linear_beta)
-    return F.silu(gate) * up
-
-
 class GatedActivation:
     """act(gate, up) for the configured `hidden_act`."""
 
@@ -38,7 +31,9 @@ class GatedActivation:
         self.kind, self.beta, self.linear_beta = cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return gated_act(gate, up, self.kind, self.beta, self.linear_beta)
+        if self.kind == "situ":
+            return situ(gate, up, self.beta, self.linear_beta)
+        return F.silu(gate) * up
 
 
 class DenseMLP(nn.Module):
@@ -95,9 +90,10 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """All routed experts as two stacked weights (fused gate|up and down), run as a grouped computation.
 
-    Eager: sort the (token, expert) pairs by expert and run one GEMM per expert over its contiguous segment (the
-    weights are read in place). Compiled: few pairs gather each pair's weights into two batched matmuls, which
-    inductor fuses with the gather; many pairs call the segment loop as one opaque op.
+    Inference sorts the (token, expert) pairs by expert and runs two grouped GEMMs over the contiguous segments
+    (`torch._grouped_mm`: every expert's weights read in place, no per-expert Python loop). A compiled step with few
+    pairs gathers their weights instead, which inductor fuses. Training runs the segments as one GEMM pair per
+    expert, which autograd differentiates on every device.
     """
 
     def __init__(self, cfg: ModelConfig, hidden: int) -> None:
@@ -110,18 +106,18 @@ class Experts(nn.Module):
         self.act = GatedActivation(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            return expert_segments(x, ids, weights, self.gate_up_proj, self.down_proj, *self.act_args)
-        if ids.numel() <= GATHERED_MAX_PAIRS:
-            return self._gathered(x, ids, weights)  # inductor reads the gathered weights in place, no copy
-        # An opaque op: a compiled decode step keeps its one graph around the data-dependent loop over experts.
-        return torch.ops.kestrel.expert_segments(x, ids, weights, self.gate_up_proj, self.down_proj, *self.act_args)
-
-    @property
-    def act_args(self) -> tuple[str, float, float]:
-        return self.act.kind, float(self.act.beta or 0.0), float(self.act.linear_beta or 0.0)
+        if torch.is_grad_enabled():
+            return self._segments(x, ids, weights)
+        if torch.compiler.is_compiling() and ids.numel() <= GATHERED_MAX_PAIRS:
+            return self._gathered(x, ids, weights)
+        act = self.act
+        args = (x, ids, weights, self.gate_up_proj, self.down_proj, act.kind, act.beta or 0.0, act.linear_beta or 0.0)
+        if torch.compiler.is_compiling():
+            return torch.ops.kestrel.grouped_experts(*args)
+        return grouped_experts_impl(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each pair's expert weights gathered into two batched matmuls: inductor fuses the gather, no copy."""
         t, k = ids.shape
         flat = ids.reshape(-1)
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, D, 1]
@@ -129,40 +125,24 @@ class Experts(nn.Module):
         y = torch.bmm(self.down_proj[flat], self.act(gate, up)[:, :, None]).view(t, k, -1)
         return (y * weights[:, :, None]).sum(1).to(x.dtype)
 
-
-def expert_segments(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    act: str,
-    beta: float,
-    linear_beta: float,
-) -> torch.Tensor:
-    """Sort the (token, expert) pairs by expert; one GEMM pair per expert over its contiguous segment."""
-    out = torch.zeros_like(x)
-    flat_ids = ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
-    token_of = order // ids.shape[1]
-    weight_of = weights.reshape(-1)[order]
-    xs = x[token_of]  # rows grouped by expert, gathered once
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        seg = slice(start, start + count)
-        gate, up = F.linear(xs[seg], gate_up_proj[expert]).chunk(2, dim=-1)
-        y = F.linear(gated_act(gate, up, act, beta, linear_beta or None), down_proj[expert])
-        out.index_add_(0, token_of[seg], (y * weight_of[seg, None]).to(out.dtype))
-        start += count
-    return out
-
-
-torch.library.custom_op("kestrel::expert_segments", mutates_args=())(expert_segments).register_fake(
-    lambda x, *args: torch.empty_like(x)
-)
+    def _segments(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = weights.reshape(-1)[order]
+        xs = x[token_of]  # rows grouped by expert, gathered once
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            seg = slice(start, start + count)
+            gate, up = F.linear(xs[seg], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate, up), self.down_proj[expert])
+            out.index_add_(0, token_of[seg], (y * weight_of[seg, None]).to(out.dtype))
+            start += count
+        return out
 
 
 class MoE(nn.Module):
@@ -193,3 +173,33 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed, ids
+
+
+def grouped_experts_impl(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: str,
+    beta: float,
+    linear_beta: float,
+) -> torch.Tensor:
+    """Σ_k weight·expert(x) with the pairs sorted by expert and two grouped GEMMs over the segments.
+
+    An opaque op to torch.compile: `_grouped_mm` has no fp32 meta kernel, and the op's output shape is static.
+    """
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(gate_up_proj.shape[0], dtype=torch.long, device=x.device)
+    ends = counts.index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
+    token_of = order // ids.shape[1]
+    gate, up = torch._grouped_mm(x[token_of], gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    h = situ(gate, up, beta, linear_beta or None) if act == "situ" else F.silu(gate) * up
+    y = torch._grouped_mm(h, down_proj.transpose(1, 2), offs=ends) * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+
+
+torch.library.custom_op("kestrel::grouped_experts", mutates_args=())(grouped_experts_impl).register_fake(
+    lambda x, *args: torch.empty_like(x)
+)
