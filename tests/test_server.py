@@ -556,3 +556,19 @@ def test_kestrel_serve_logs_capacity_and_url_and_sigint_lets_inflight_requests_f
             proc.kill()
             proc.wait()
         log_file.close()
+
+
+def test_server_engine_leaves_one_core_to_the_http_thread():
+    """On CPU the serving engine takes every usable core but one (its OpenMP pool would contend with HTTP)."""
+    from kestrel.engine.config import EngineConfig
+    from kestrel.server.args import ServerConfig
+    from kestrel.server.launch import make_server
+
+    before = torch.get_num_threads()
+    try:
+        make_server(EngineConfig(device="cpu", max_total_tokens=512), ServerConfig(port=0))
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+        make_server(EngineConfig(device="cpu", max_total_tokens=512, num_threads=3), ServerConfig(port=0))
+        assert torch.get_num_threads() == 3  # an explicit --num-threads wins
+    finally:
+        torch.set_num_threads(before)

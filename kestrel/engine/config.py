@@ -30,6 +30,8 @@ class EngineConfig:
     hicache_size: float = 0.0
     hicache_storage_dir: str | None = None
     hicache_write_policy: str = "write_through"
+    # torch intra-op threads on CPU (0: torch's default, all cores; `kestrel serve` leaves one core to HTTP).
+    num_threads: int = 0
     # Compiled decode step: torch.compile (inductor) over padded batch-size buckets; CUDA graphs on CUDA.
     compile: bool = False
     compile_max_bs: int = 8
@@ -55,6 +57,7 @@ class EngineConfig:
         )
         need(self.max_states_per_path >= -1, "max_states_per_path", "must be >= 0, or -1 for unlimited")
         need(self.max_state_checkpoints is None or self.max_state_checkpoints >= 0, "max_state_checkpoints", ">= 0")
+        need(self.num_threads >= 0, "num_threads", "must be >= 0 (0: torch's default)")
         need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
