@@ -9,7 +9,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (
     recurrent_kimi_delta_attention,
 )
 
-from kestrel.models.layers.kda_ops import kda_chunked, kda_recurrent, l2_normalize
+from kestrel.models.layers.kda_ops import kda_chunked, kda_recurrent, kda_step, l2_normalize
 
 ATOL = 1e-5
 
@@ -49,6 +49,19 @@ def _seed() -> None:
 def test_l2_normalize_matches_transformers() -> None:
     x = torch.randn(3, 5, 16)
     assert torch.equal(l2_normalize(x), l2norm(x, dim=-1, eps=1e-6))
+
+
+def test_decode_step_matches_recurrent_token_by_token() -> None:
+    """kda_step (one read of the state per token, the decode form) walks the same states as the recurrent loop."""
+    x = make_inputs(T=40)
+    q, k, v, g, beta = prepped(x)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=x["state"])
+    state, outs = x["state"], []
+    for t in range(q.shape[1]):
+        o, state = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(o)
+    assert max_diff(torch.stack(outs, dim=1), o_ref) < ATOL
+    assert max_diff(state, s_ref) < ATOL
 
 
 @pytest.mark.parametrize("chunk_size", [16, 48, 64])  # 48: not a power of two (odd-part leaves of size 3)

@@ -82,15 +82,18 @@ def kda_recurrent(
 def kda_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of `kda_recurrent` for a batch of sequences (the decode form), without its dtype round trips.
+    """One token of `kda_recurrent` for a batch of sequences (the decode form), reading the state once.
 
+    With e = exp(g): the decayed state's recall is (k⊙e)ᵀS, and the output of the updated state is
+    (q⊙e)ᵀS + (q·k)·delta, so one batched matmul against the old S serves both and S is written once.
     q, k, g: [B, H, K] fp32; v: [B, H, V]; beta: [B, H]; state: [B, H, K, V] fp32. Returns (o [B, H, V], state).
     """
-    state = state * g.exp().unsqueeze(-1)
-    kv_mem = torch.matmul(k.unsqueeze(-2), state).squeeze(-2)  # S^T k
-    delta = (v.to(state.dtype) - kv_mem) * beta.unsqueeze(-1)
-    state = torch.addcmul(state, k.unsqueeze(-1), delta.unsqueeze(-2))  # + k delta^T
-    return torch.matmul(q.unsqueeze(-2), state).squeeze(-2), state
+    decay = g.exp()
+    read = torch.matmul(torch.stack([k * decay, q * decay], dim=-2), state)  # [B, H, 2, V]
+    delta = (v.to(state.dtype) - read[..., 0, :]) * beta.unsqueeze(-1)
+    o = torch.addcmul(read[..., 1, :], (q * k).sum(-1, keepdim=True), delta)
+    state = torch.addcmul(state * decay.unsqueeze(-1), k.unsqueeze(-1), delta.unsqueeze(-2))  # decay, + k deltaᵀ
+    return o, state
 
 
 def _intra_chunk_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
