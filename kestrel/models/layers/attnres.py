@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from kestrel.models.layers.norm import rms_unit
+import torch.nn.functional as F
 
 
 def attn_res_mix(
@@ -14,8 +13,8 @@ def attn_res_mix(
 
     Scores use the gain-free RMS of each candidate; the mix is over the raw candidates.
     """
-    candidates = torch.stack([c.float() for c in bank] + [partial.float()])  # [N, T, D]
+    candidates = torch.stack([*bank, partial]).float()  # [N, T, D]
     query = norm_weight.float() * proj_weight.float().reshape(-1)
-    scores = (rms_unit(candidates, eps) * query).sum(-1)  # [N, T]
-    weights = torch.softmax(scores, dim=0)
-    return (weights.unsqueeze(-1) * candidates).sum(0).to(partial.dtype)
+    # rms(c) ⊙ query in one fused op (F.rms_norm scales by its weight after normalising), then the dot product.
+    weights = torch.softmax(F.rms_norm(candidates, (candidates.shape[-1],), query, eps).sum(-1), dim=0)  # [N, T]
+    return torch.einsum("nt,ntd->td", weights, candidates).to(partial.dtype)

@@ -34,7 +34,3 @@ class GatedRMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return (normed * torch.sigmoid(gate.float())).to(x.dtype)
 
-
-def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation without a gain (AttnRes scores candidates with it)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
