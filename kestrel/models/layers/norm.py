@@ -33,4 +33,3 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return (normed * torch.sigmoid(gate.float())).to(x.dtype)
-
