@@ -16,13 +16,13 @@ writes benchmarks/results/decode_long_context.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from report import write_result
 
 from kestrel.cache.kv_pool import KVStorage
 from kestrel.config import model_config_from_dict
@@ -176,30 +176,25 @@ def main() -> None:
     for r in rows:
         print(f"{r['context']:>8} | {r['dense_ms_per_step']:>9.2f} | {r['dsa_ms_per_step']:>9.2f} | {r['ratio']:>9.3f}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "decode_long_context",
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "dtype": "float32",
-        "batch": args.batch,
-        "layers": cfg.num_hidden_layers,
-        "hidden": cfg.hidden_size,
-        "heads": cfg.num_attention_heads,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "index_heads": cfg.index_n_heads,
-        "index_head_dim": cfg.index_head_dim,
-        "index_topk": cfg.index_topk,
-        "page_size": PAGE_SIZE,
-        "clock": args.clock,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "results": rows,
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_result(
+        args.out,
+        "decode_long_context",
+        dtype="float32",
+        batch=args.batch,
+        layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        heads=cfg.num_attention_heads,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        index_heads=cfg.index_n_heads,
+        index_head_dim=cfg.index_head_dim,
+        index_topk=cfg.index_topk,
+        page_size=PAGE_SIZE,
+        clock=args.clock,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        results=rows,
+    )
 
 
 if __name__ == "__main__":

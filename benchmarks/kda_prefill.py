@@ -10,8 +10,6 @@ benchmarks/results/kda_prefill.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from report import write_result
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 
 from kestrel.models.layers.kda_ops import kda_chunked, l2_normalize
@@ -111,23 +110,18 @@ def main() -> None:
             f"{r['ratio']:>6.2f}x | {r['max_abs_diff']:>9.2e}"
         )
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "kda_prefill",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "batch": 1,
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "chunk_size": CHUNK,
-        "dtype": "float32",
-        "repeats": args.repeats,
-        "results": rows,
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_result(
+        args.out,
+        "kda_prefill",
+        transformers=transformers.__version__,
+        batch=1,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        chunk_size=CHUNK,
+        dtype="float32",
+        repeats=args.repeats,
+        results=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from report import write_result
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.engine import Engine
@@ -157,22 +158,17 @@ def main() -> None:
             f"{r['ratio']:>6.3f} | {r['ratio_min']:>5.2f}..{r['ratio_max']:<5.2f}"
         )
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "mixed_step",
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "model": str(path),
-        "model_family": raw.get("model_type"),
-        "decoding": args.decoding,
-        "engine_options": options,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "results": rows,
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_result(
+        args.out,
+        "mixed_step",
+        model=str(path),
+        model_family=raw.get("model_type"),
+        decoding=args.decoding,
+        engine_options=options,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        results=rows,
+    )
 
 
 if __name__ == "__main__":
