@@ -90,10 +90,10 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """All routed experts as two stacked weights (fused gate|up and down), run as a grouped computation.
 
-    Inference sorts the (token, expert) pairs by expert and runs two grouped GEMMs over the contiguous segments
-    (`torch._grouped_mm`: every expert's weights read in place, no per-expert Python loop). A compiled step with few
-    pairs gathers their weights instead, which inductor fuses. Training runs the segments as one GEMM pair per
-    expert, which autograd differentiates on every device.
+    The (token, expert) pairs are sorted by expert and every expert multiplies its contiguous segment: on CPU at
+    inference as two grouped GEMMs (`torch._grouped_mm`, weights read in place, no per-expert Python loop),
+    otherwise (training, other devices) one GEMM pair per expert. A compiled step with few pairs gathers their
+    weights instead, which inductor fuses; with many it calls the segments as one opaque op.
     """
 
     def __init__(self, cfg: ModelConfig, hidden: int) -> None:
@@ -106,15 +106,13 @@ class Experts(nn.Module):
         self.act = GatedActivation(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return self._segments(x, ids, weights)
         if torch.compiler.is_compiling() and ids.numel() <= GATHERED_MAX_PAIRS:
             return self._gathered(x, ids, weights)
         act = self.act
         args = (x, ids, weights, self.gate_up_proj, self.down_proj, act.kind, act.beta or 0.0, act.linear_beta or 0.0)
         if torch.compiler.is_compiling():
-            return torch.ops.kestrel.grouped_experts(*args)
-        return grouped_experts_impl(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
+            return torch.ops.kestrel.expert_segments(*args)
+        return expert_segments(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each pair's expert weights gathered into two batched matmuls: inductor fuses the gather, no copy."""
@@ -124,25 +122,6 @@ class Experts(nn.Module):
         gate, up = torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1).chunk(2, dim=-1)
         y = torch.bmm(self.down_proj[flat], self.act(gate, up)[:, :, None]).view(t, k, -1)
         return (y * weights[:, :, None]).sum(1).to(x.dtype)
-
-    def _segments(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of = order // ids.shape[1]
-        weight_of = weights.reshape(-1)[order]
-        xs = x[token_of]  # rows grouped by expert, gathered once
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            seg = slice(start, start + count)
-            gate, up = F.linear(xs[seg], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate, up), self.down_proj[expert])
-            out.index_add_(0, token_of[seg], (y * weight_of[seg, None]).to(out.dtype))
-            start += count
-        return out
 
 
 class MoE(nn.Module):
@@ -175,7 +154,7 @@ class MoE(nn.Module):
         return routed, ids
 
 
-def grouped_experts_impl(
+def expert_segments(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
@@ -185,21 +164,33 @@ def grouped_experts_impl(
     beta: float,
     linear_beta: float,
 ) -> torch.Tensor:
-    """Σ_k weight·expert(x) with the pairs sorted by expert and two grouped GEMMs over the segments.
-
-    An opaque op to torch.compile: `_grouped_mm` has no fp32 meta kernel, and the op's output shape is static.
-    """
+    """Σ_k weight·expert(x): the pairs sorted by expert, each expert's segment through its gate|up and down."""
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.zeros(gate_up_proj.shape[0], dtype=torch.long, device=x.device)
-    ends = counts.index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
+    counts = torch.zeros(gate_up_proj.shape[0], dtype=torch.long, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat)
+    )
     token_of = order // ids.shape[1]
-    gate, up = torch._grouped_mm(x[token_of], gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    gate, up = segment_linear(x[token_of], gate_up_proj, counts).chunk(2, dim=-1)
     h = situ(gate, up, beta, linear_beta or None) if act == "situ" else F.silu(gate) * up
-    y = torch._grouped_mm(h, down_proj.transpose(1, 2), offs=ends) * weights.reshape(-1)[order, None]
+    y = segment_linear(h, down_proj, counts) * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
 
 
-torch.library.custom_op("kestrel::grouped_experts", mutates_args=())(grouped_experts_impl).register_fake(
+def segment_linear(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of `xs` grouped by expert (counts[e] rows for expert e, in order) times each expert's weight [E, o, i].
+
+    One grouped GEMM on CPU at inference; elsewhere one GEMM per expert (autograd, and devices whose grouped GEMM
+    takes only bf16).
+    """
+    if xs.device.type == "cpu" and not torch.is_grad_enabled():
+        return torch._grouped_mm(xs, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    parts = xs.split(counts.tolist())
+    outs = [F.linear(part, weight[e]) for e, part in enumerate(parts) if len(part)]
+    return torch.cat(outs) if outs else xs.new_zeros(0, weight.shape[1])
+
+
+# An opaque op to torch.compile: its output shape is static, the loop and `_grouped_mm` (no fp32 meta kernel) hidden.
+torch.library.custom_op("kestrel::expert_segments", mutates_args=())(expert_segments).register_fake(
     lambda x, *args: torch.empty_like(x)
 )
