@@ -58,10 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if logging.getLogger("kestrel").getEffectiveLevel() > logging.INFO:
         logging.getLogger("kestrel").setLevel(logging.INFO)  # capacity and URL are what an operator needs to see
     config = server_config(args)
-    try:
-        serve(EngineConfig(model=args.model, **engine_kwargs(args)), config)
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled after shutting down cleanly
-        pass
+    serve(EngineConfig(model=args.model, **engine_kwargs(args)), config)  # returns after SIGINT/SIGTERM
     return 0
 
 

@@ -551,6 +551,7 @@ def test_kestrel_serve_logs_capacity_and_url_and_sigint_lets_inflight_requests_f
         assert proc.wait(30) == 0
         log = (tmp_path / "serve.log").read_text()
         assert "capacity" in log and url in log
+        assert "Traceback" not in log and "shutdown failed" not in log
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -572,3 +573,53 @@ def test_server_engine_leaves_one_core_to_the_http_thread():
         assert torch.get_num_threads() == 3  # an explicit --num-threads wins
     finally:
         torch.set_num_threads(before)
+
+
+def _serve(checkpoint: str, tmp_path: Path, name: str, *flags: str) -> tuple[subprocess.Popen, str, Path]:
+    """`kestrel serve` in a subprocess on a free port; returns (process, URL, log file) once /health answers."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kestrel.cli", "serve", checkpoint, "--port", str(port), "--device", "cpu", *flags]
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "w") as log_file:  # a file, not a pipe: a full pipe would block the server
+        proc = subprocess.Popen(cmd, stderr=log_file, stdout=log_file, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url, log_path
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up:\n" + log_path.read_text())
+        time.sleep(0.1)
+
+
+def test_sigint_with_write_back_flushes_the_disk_tier_and_a_restart_hits_it(checkpoint, tmp_path):
+    """write_back keeps cached pages in memory only; SIGINT must write them to disk (exit 0, no traceback), and
+    a new server on the same directory serves the same prompt from disk."""
+    store = tmp_path / "l3"
+    flags = ("--max-total-tokens", "4096", "--max-model-len", "1024", "--page-size", "8")
+    flags += ("--hicache-storage-dir", str(store), "--hicache-write-policy", "write_back")
+    prompt = list(range(5, 120))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    proc, url, log = _serve(checkpoint, tmp_path, "first", *flags)
+    try:
+        for _ in range(2):
+            assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 200
+        assert not list(store.rglob("*.page"))  # write_back: nothing on disk before shutdown
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text()
+    assert list(store.rglob("*.page")) and list(store.rglob("*.state"))
+    proc, url, log = _serve(checkpoint, tmp_path, "second", *flags)
+    try:
+        out = httpx.post(url + "/generate", json=body, timeout=60).json()
+        assert out["meta_info"]["cached_tokens_by_tier"]["disk"] > 0, out["meta_info"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text()

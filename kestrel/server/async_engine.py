@@ -128,7 +128,7 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(_STOP)
             await asyncio.to_thread(self._thread.join)
-        self.engine.close()
+        self._engine.close()  # write_back: what only memory holds reaches the disk tier
 
     @property
     def alive(self) -> bool:

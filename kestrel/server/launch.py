@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -64,7 +65,25 @@ def make_server(engine_config: EngineConfig, config: ServerConfig) -> uvicorn.Se
     return uvicorn.Server(uv)
 
 
+class _Terminated(Exception):
+    """SIGTERM, re-raised by uvicorn once its graceful shutdown is over."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM; in-flight requests get `graceful_shutdown_timeout` seconds to finish, then are
-    aborted (their pages and slots freed) before the engine thread stops."""
-    make_server(engine_config, config).run()
+    aborted (their pages and slots freed) before the engine thread stops.
+
+    uvicorn handles both signals itself, then raises them again with the handlers it found installed: SIGINT as
+    KeyboardInterrupt, SIGTERM (by default) as a kill. Both end here, after the clean shutdown, as a normal return.
+    """
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        make_server(engine_config, config).run()
+    except (KeyboardInterrupt, _Terminated):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
