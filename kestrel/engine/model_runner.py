@@ -157,8 +157,9 @@ class ModelRunner:
         nd = 0
         for i, c in enumerate(plan.chunks):
             req, start, n = c.request, c.start, c.num_tokens
-            nd += n == 1 and nd == i
-            snaps = c.snapshots if nd <= i else []  # decode rows' snapshots become slot copies
+            decode = n == 1 and nd == i  # the leading one-token chunks are the batch's decode rows
+            nd += decode
+            snaps = [] if decode else c.snapshots  # a decode row's snapshots become slot copies
             inputs.add(
                 chunk_tokens(req.prompt_ids, req.output_ids, start, n),
                 start,
