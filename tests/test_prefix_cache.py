@@ -183,3 +183,28 @@ def test_three_tiers_write_back_spills_device_to_host_to_disk(tiny_checkpoints, 
     assert stats["prefix_cache_host_hit_tokens"] + stats["prefix_cache_disk_hit_tokens"] > 0
     assert stats["prefix_cache_disk_hit_tokens"] > 0
     _assert_idle_and_clear(llm)
+
+
+def test_unreadable_disk_file_is_a_miss_not_an_error(tiny_checkpoints, tmp_path):
+    """Guards issue 12 #2: an OS error on one disk-tier file (here a directory in place of a page file, a stand-in
+    for EIO/EACCES) must not abort the step; the request completes exactly and the error is counted."""
+    path = str(tiny_checkpoints["kimi_k3"])
+    args = dict(page_size=PAGE, chunked_prefill_size=64, state_track_interval=32)
+    prompt = _tokens(150, 5)
+    off = LLM(path, max_total_tokens=4096, enable_prefix_caching=False, **args)
+    expected = off.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+
+    tiers = dict(hicache_storage_dir=str(tmp_path), hicache_write_policy="write_through")
+    LLM(path, max_total_tokens=4096, **tiers, **args).generate([prompt], _greedy(6), use_tqdm=False)
+    pages = sorted(tmp_path.rglob("*.page"))
+    bad = pages[len(pages) // 2]
+    bad.unlink()
+    bad.mkdir()
+
+    llm = LLM(path, max_total_tokens=4096, **tiers, **args)
+    out = llm.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_disk_io_errors"] >= 1 and stats["prefix_cache_disk_corrupt_files"] == 0
+    assert bad.is_dir()  # an unreadable file is left alone: it is not known to be corrupt
+    _assert_idle_and_clear(llm)

@@ -15,6 +15,7 @@ made before the step that needs the data).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -88,35 +89,51 @@ class DiskStore:
             raise ValueError(f"hicache_storage_dir: cannot use {root} ({exc.strerror})") from exc
         self.corrupt = 0
         self.written = 0
+        self.io_errors = 0  # OS errors on any file: each is a miss or a skipped write, never an exception
 
     def path(self, key: bytes, kind: str) -> Path:
         h = key.hex()
         return self.dir / h[:2] / f"{h}.{kind}"
 
     def exists(self, key: bytes, kind: str) -> bool:
-        return self.path(key, kind).exists()
+        target = self.path(key, kind)
+        try:
+            return target.exists()
+        except OSError as exc:
+            self._io_error("probe", target, exc)
+            return False
 
     def write(self, key: bytes, kind: str, tensors: dict[str, torch.Tensor], tokens: tuple[int, ...]) -> None:
+        """Store the file unless it is there; an OS error skips the write (a cache may always lose an entry)."""
         target = self.path(key, kind)
-        if target.exists():
-            return
-        payload = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"tokens": json.dumps(tokens)})
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)))
-            f.write(payload)
-        # Atomic: readers see the whole file or none. No fsync: after a power loss a file whose data never
-        # reached the disk fails its checksum and is skipped like any other corrupt file; a cache needs no more.
-        os.replace(tmp, target)
+        try:
+            if target.exists():
+                return
+            payload = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"tokens": json.dumps(tokens)})
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)))
+                f.write(payload)
+            # Atomic: readers see the whole file or none. No fsync: after a power loss a file whose data never
+            # reached the disk fails its checksum and is skipped like any other corrupt file; a cache needs no more.
+            os.replace(tmp, target)
+        except OSError as exc:
+            self._io_error("write", target, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return
         self.written += 1
 
     def read(self, key: bytes, kind: str, tokens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
-        """The file's tensors, or None when missing; a bad file is counted, deleted and reported as None."""
+        """The file's tensors, or None when missing or unreadable; a corrupt file is counted, deleted, reported None."""
         target = self.path(key, kind)
         try:
             blob = target.read_bytes()
         except FileNotFoundError:
+            return None
+        except OSError as exc:  # EIO, EACCES, a directory in its place: a miss, and the file is left alone
+            self._io_error("read", target, exc)
             return None
         why = self._check(blob, tokens)
         if why is None:
@@ -126,8 +143,15 @@ class DiskStore:
                 why = f"unreadable payload ({exc})"
         self.corrupt += 1
         log.warning("hicache: skipping corrupted %s (%s)", target, why)
-        target.unlink(missing_ok=True)
+        try:
+            target.unlink(missing_ok=True)
+        except OSError as exc:
+            self._io_error("delete", target, exc)
         return None
+
+    def _io_error(self, op: str, target: Path, exc: OSError) -> None:
+        self.io_errors += 1
+        log.warning("hicache: %s of %s failed, treated as a miss (%s)", op, target, exc)
 
     @staticmethod
     def _check(blob: bytes, tokens: tuple[int, ...]) -> str | None:
