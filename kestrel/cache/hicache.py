@@ -66,12 +66,17 @@ class HostCopy:
 
 @dataclass
 class DiskHit:
-    """Pages found on disk after a tree match: their chain hashes and tokens; `length` tokens are usable."""
+    """Pages found on disk after a tree match: their chain hashes and tokens; `length` tokens are usable.
+
+    `base` is the last page of the matched node when a checkpoint file for it is on disk (the node's own
+    checkpoint being gone): then the hit is usable from the node's end even if no page after it is.
+    """
 
     hashes: list[bytes]
     tokens: list[tuple[int, ...]]
     length: int
     page_size: int
+    base: tuple[bytes, tuple[int, ...]] | None = None  # (chain hash, tokens) of the matched node's last page
 
     @property
     def num_pages(self) -> int:
@@ -229,10 +234,24 @@ class HiCache:
         return self.disk is not None and self.policy == "write_back"
 
     # -- L3 --------------------------------------------------------------------------------------------
-    def probe_disk(self, parent_hash: bytes, pages: list[tuple[int, ...]], need_state: bool) -> DiskHit | None:
-        """Pages present on disk after the tree's match (existence only; contents are verified on load)."""
-        if self.disk is None or not pages:
+    def probe_disk(
+        self,
+        parent_hash: bytes,
+        pages: list[tuple[int, ...]],
+        need_state: bool,
+        page_size: int,
+        base_page: tuple[int, ...] | None = None,
+    ) -> DiskHit | None:
+        """Pages present on disk after the tree's match (existence only; contents are verified on load).
+
+        With `base_page` (the matched node's last page, its checkpoint missing), a checkpoint file for the node
+        alone is a hit of zero pages.
+        """
+        if self.disk is None:
             return None
+        base = None
+        if need_state and base_page is not None and self.disk.exists(parent_hash, "state"):
+            base = (parent_hash, base_page)
         hashes, tokens, usable, h = [], [], 0, parent_hash
         for page in pages:
             h = chain_hash(h, page)
@@ -242,13 +261,13 @@ class HiCache:
             tokens.append(page)
             if not need_state or self.disk.exists(h, "state"):
                 usable = len(hashes)
-        if usable == 0:
+        if usable == 0 and base is None:
             return None
-        ps = len(pages[0])
-        return DiskHit(hashes[:usable], tokens[:usable], usable * ps, ps)
+        return DiskHit(hashes[:usable], tokens[:usable], usable * page_size, page_size, base)
 
     def read_disk(self, hit: DiskHit, need_state: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor] | None]:
-        """Verified pages of a disk hit, cut back to the deepest page whose checkpoint also verified."""
+        """Verified pages of a disk hit, cut back to the deepest page whose checkpoint also verified (or to none,
+        with the base checkpoint)."""
         pages: list[torch.Tensor] = []
         for h, tokens in zip(hit.hashes, hit.tokens):
             data = self.disk.read(h, "page", tokens)
@@ -261,5 +280,7 @@ class HiCache:
                 if state is not None:
                     return pages, state
                 pages.pop()  # no usable checkpoint at this depth: a shorter prefix, or nothing
+            if hit.base is not None:
+                return [], self.disk.read(hit.base[0], "state", hit.base[1])
             return [], None
         return pages, None
