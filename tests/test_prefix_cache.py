@@ -183,3 +183,73 @@ def test_three_tiers_write_back_spills_device_to_host_to_disk(tiny_checkpoints, 
     assert stats["prefix_cache_host_hit_tokens"] + stats["prefix_cache_disk_hit_tokens"] > 0
     assert stats["prefix_cache_disk_hit_tokens"] > 0
     _assert_idle_and_clear(llm)
+
+
+def test_unreadable_disk_file_is_a_miss_not_an_error(tiny_checkpoints, tmp_path):
+    """Guards issue 12 #2: an OS error on one disk-tier file (here a directory in place of a page file, a stand-in
+    for EIO/EACCES) must not abort the step; the request completes exactly and the error is counted."""
+    path = str(tiny_checkpoints["kimi_k3"])
+    args = dict(page_size=PAGE, chunked_prefill_size=64, state_track_interval=32)
+    prompt = _tokens(150, 5)
+    off = LLM(path, max_total_tokens=4096, enable_prefix_caching=False, **args)
+    expected = off.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+
+    tiers = dict(hicache_storage_dir=str(tmp_path), hicache_write_policy="write_through")
+    LLM(path, max_total_tokens=4096, **tiers, **args).generate([prompt], _greedy(6), use_tqdm=False)
+    pages = sorted(tmp_path.rglob("*.page"))
+    bad = pages[len(pages) // 2]
+    bad.unlink()
+    bad.mkdir()
+
+    llm = LLM(path, max_total_tokens=4096, **tiers, **args)
+    out = llm.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_disk_io_errors"] >= 1 and stats["prefix_cache_disk_corrupt_files"] == 0
+    assert bad.is_dir()  # an unreadable file is left alone: it is not known to be corrupt
+    _assert_idle_and_clear(llm)
+
+
+def _disk_llm(path: str, tmp_path, **args) -> LLM:
+    tiers = dict(hicache_storage_dir=str(tmp_path), hicache_write_policy="write_through")
+    return LLM(path, max_total_tokens=4096, page_size=PAGE, chunked_prefill_size=64, **tiers, **args)
+
+
+def test_disk_continuation_after_a_device_prefix_is_used(tiny_checkpoints, tmp_path):
+    """Guards issue 12 #3: the device holds a long prefix, the disk the short rest. The disk hit's length counts
+    from where the device match ends, so it must not be compared with the device match's length from the start."""
+    path = str(tiny_checkpoints["kimi_k3"])
+    off = LLM(path, max_total_tokens=4096, page_size=PAGE, chunked_prefill_size=64, enable_prefix_caching=False)
+    prefix, rest = _tokens(97, 31), _tokens(60, 32)
+    prompt = prefix + rest + [7, 8, 9]
+    expected = off.generate([prompt], _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+
+    llm = _disk_llm(path, tmp_path, state_track_interval=32)
+    llm.generate([prefix], _greedy(1), use_tqdm=False)  # a checkpoint at 96 on the device
+    llm.generate([prefix + rest], _greedy(1), use_tqdm=False)  # and one at 144, written through to disk
+    cache = llm.engine.cache
+    cache.evict_pages(1)  # the leaf after 96 leaves the device; the disk keeps it
+    assert 0 < cache.device_pages() < 9
+    out = llm.generate([prompt], _greedy(6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    assert out.cached_tokens_by_tier["disk"] > 0 and out.cached_tokens == 144
+    _assert_idle_and_clear(llm)
+
+
+def test_checkpoint_only_on_disk_is_used_when_the_device_covers_the_prompt(tiny_checkpoints, tmp_path):
+    """Guards issue 12 #3: every page is on the device but no checkpoint is; the disk has the checkpoint of the
+    deepest node, so the whole prefix is reused instead of nothing."""
+    path = str(tiny_checkpoints["kimi_k3"])
+    off = LLM(path, max_total_tokens=4096, page_size=PAGE, chunked_prefill_size=64, enable_prefix_caching=False)
+    prompt = _tokens(150, 33)
+    expected = off.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+
+    llm = _disk_llm(path, tmp_path, state_track_interval=64)
+    llm.generate([prompt], _greedy(1), use_tqdm=False)
+    cache = llm.engine.cache
+    cache.evict_checkpoints(cache.device_checkpoints())
+    assert cache.device_checkpoints() == 0 and cache.device_pages() == 9
+    out = llm.generate([prompt + [7, 8, 9]], _greedy(6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    assert out.cached_tokens == 144 and out.cached_tokens_by_tier == {"device": 144, "host": 0, "disk": 0}
+    _assert_idle_and_clear(llm)

@@ -214,3 +214,22 @@ def test_write_policies_decide_when_pages_reach_the_host():
     assert used["write_through"][0] > 0  # copied as soon as the tree takes it
     assert used["write_through_selective"][:2] == [0, 0] and used["write_through_selective"][2] > 0  # 2nd hit
     assert used["write_back"] == [0, 0, 0]  # only eviction copies down
+
+
+def test_disk_store_os_errors_are_misses_and_skipped_writes(tmp_path, monkeypatch):
+    """Guards issue 12 #2: an OS error on the disk tier (write, probe or read) is counted, never raised."""
+    store = DiskStore(tmp_path, "ns")
+    key, tokens = b"k" * 20, (1, 2, 3, 4)
+    store.path(key, "page").parent.write_bytes(b"")  # a file where the page's directory belongs: mkdir fails
+    store.write(key, "page", {"kv": torch.arange(8.0)}, tokens)
+    assert store.written == 0 and store.io_errors == 1
+    assert not list(tmp_path.rglob("*.tmp"))
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr("pathlib.Path.exists", denied)
+    assert store.exists(key, "state") is False
+    monkeypatch.setattr("pathlib.Path.read_bytes", denied)
+    assert store.read(key, "state", tokens) is None
+    assert store.io_errors == 3 and store.corrupt == 0

@@ -132,6 +132,18 @@ def test_repeated_prefix_reports_cached_tokens_in_usage_and_metrics(client, serv
     assert m["kestrel_prefix_cache_checkpoints"] > 0 and m["kestrel_prefix_cache_pages"] > 0
 
 
+def test_disk_tier_counters_are_exported_to_metrics(checkpoint, tmp_path):
+    """Guards issue 12 #18: the disk tier's file counters in `Engine.stats()` reach /metrics."""
+    engine_kwargs = {"hicache_storage_dir": str(tmp_path), "hicache_write_policy": "write_through"}
+    with running_server(checkpoint, engine_kwargs) as (url, name), httpx.Client(base_url=url, timeout=60) as http:
+        body = {"model": name, "messages": USER, "max_tokens": 2, "temperature": 0}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        m = wait_idle(http)
+    files = [f for f in tmp_path.rglob("*") if f.suffix in (".page", ".state")]
+    assert m["kestrel_hicache_disk_files_written"] == len(files) > 0
+    assert m["kestrel_prefix_cache_disk_corrupt_files"] == 0 and m["kestrel_prefix_cache_disk_io_errors"] == 0
+
+
 def _collect_stream(stream):
     """Streamed chunks → per choice: content, reasoning, merged tool calls, finish reason; plus the usage chunk."""
     got: dict[int, dict] = {}

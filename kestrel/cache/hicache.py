@@ -15,6 +15,7 @@ made before the step that needs the data).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,12 +66,17 @@ class HostCopy:
 
 @dataclass
 class DiskHit:
-    """Pages found on disk after a tree match: their chain hashes and tokens; `length` tokens are usable."""
+    """Pages found on disk after a tree match: their chain hashes and tokens; `length` tokens are usable.
+
+    `base` is the last page of the matched node when a checkpoint file for it is on disk (the node's own
+    checkpoint being gone): then the hit is usable from the node's end even if no page after it is.
+    """
 
     hashes: list[bytes]
     tokens: list[tuple[int, ...]]
     length: int
     page_size: int
+    base: tuple[bytes, tuple[int, ...]] | None = None  # (chain hash, tokens) of the matched node's last page
 
     @property
     def num_pages(self) -> int:
@@ -88,35 +94,51 @@ class DiskStore:
             raise ValueError(f"hicache_storage_dir: cannot use {root} ({exc.strerror})") from exc
         self.corrupt = 0
         self.written = 0
+        self.io_errors = 0  # OS errors on any file: each is a miss or a skipped write, never an exception
 
     def path(self, key: bytes, kind: str) -> Path:
         h = key.hex()
         return self.dir / h[:2] / f"{h}.{kind}"
 
     def exists(self, key: bytes, kind: str) -> bool:
-        return self.path(key, kind).exists()
+        target = self.path(key, kind)
+        try:
+            return target.exists()
+        except OSError as exc:
+            self._io_error("probe", target, exc)
+            return False
 
     def write(self, key: bytes, kind: str, tensors: dict[str, torch.Tensor], tokens: tuple[int, ...]) -> None:
+        """Store the file unless it is there; an OS error skips the write (a cache may always lose an entry)."""
         target = self.path(key, kind)
-        if target.exists():
-            return
-        payload = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"tokens": json.dumps(tokens)})
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)))
-            f.write(payload)
-        # Atomic: readers see the whole file or none. No fsync: after a power loss a file whose data never
-        # reached the disk fails its checksum and is skipped like any other corrupt file; a cache needs no more.
-        os.replace(tmp, target)
+        try:
+            if target.exists():
+                return
+            payload = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"tokens": json.dumps(tokens)})
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)))
+                f.write(payload)
+            # Atomic: readers see the whole file or none. No fsync: after a power loss a file whose data never
+            # reached the disk fails its checksum and is skipped like any other corrupt file; a cache needs no more.
+            os.replace(tmp, target)
+        except OSError as exc:
+            self._io_error("write", target, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return
         self.written += 1
 
     def read(self, key: bytes, kind: str, tokens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
-        """The file's tensors, or None when missing; a bad file is counted, deleted and reported as None."""
+        """The file's tensors, or None when missing or unreadable; a corrupt file is counted, deleted, reported None."""
         target = self.path(key, kind)
         try:
             blob = target.read_bytes()
         except FileNotFoundError:
+            return None
+        except OSError as exc:  # EIO, EACCES, a directory in its place: a miss, and the file is left alone
+            self._io_error("read", target, exc)
             return None
         why = self._check(blob, tokens)
         if why is None:
@@ -126,8 +148,15 @@ class DiskStore:
                 why = f"unreadable payload ({exc})"
         self.corrupt += 1
         log.warning("hicache: skipping corrupted %s (%s)", target, why)
-        target.unlink(missing_ok=True)
+        try:
+            target.unlink(missing_ok=True)
+        except OSError as exc:
+            self._io_error("delete", target, exc)
         return None
+
+    def _io_error(self, op: str, target: Path, exc: OSError) -> None:
+        self.io_errors += 1
+        log.warning("hicache: %s of %s failed, treated as a miss (%s)", op, target, exc)
 
     @staticmethod
     def _check(blob: bytes, tokens: tuple[int, ...]) -> str | None:
@@ -205,10 +234,24 @@ class HiCache:
         return self.disk is not None and self.policy == "write_back"
 
     # -- L3 --------------------------------------------------------------------------------------------
-    def probe_disk(self, parent_hash: bytes, pages: list[tuple[int, ...]], need_state: bool) -> DiskHit | None:
-        """Pages present on disk after the tree's match (existence only; contents are verified on load)."""
-        if self.disk is None or not pages:
+    def probe_disk(
+        self,
+        parent_hash: bytes,
+        pages: list[tuple[int, ...]],
+        need_state: bool,
+        page_size: int,
+        base_page: tuple[int, ...] | None = None,
+    ) -> DiskHit | None:
+        """Pages present on disk after the tree's match (existence only; contents are verified on load).
+
+        With `base_page` (the matched node's last page, its checkpoint missing), a checkpoint file for the node
+        alone is a hit of zero pages.
+        """
+        if self.disk is None:
             return None
+        base = None
+        if need_state and base_page is not None and self.disk.exists(parent_hash, "state"):
+            base = (parent_hash, base_page)
         hashes, tokens, usable, h = [], [], 0, parent_hash
         for page in pages:
             h = chain_hash(h, page)
@@ -218,13 +261,13 @@ class HiCache:
             tokens.append(page)
             if not need_state or self.disk.exists(h, "state"):
                 usable = len(hashes)
-        if usable == 0:
+        if usable == 0 and base is None:
             return None
-        ps = len(pages[0])
-        return DiskHit(hashes[:usable], tokens[:usable], usable * ps, ps)
+        return DiskHit(hashes[:usable], tokens[:usable], usable * page_size, page_size, base)
 
     def read_disk(self, hit: DiskHit, need_state: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor] | None]:
-        """Verified pages of a disk hit, cut back to the deepest page whose checkpoint also verified."""
+        """Verified pages of a disk hit, cut back to the deepest page whose checkpoint also verified (or to none,
+        with the base checkpoint)."""
         pages: list[torch.Tensor] = []
         for h, tokens in zip(hit.hashes, hit.tokens):
             data = self.disk.read(h, "page", tokens)
@@ -237,5 +280,7 @@ class HiCache:
                 if state is not None:
                     return pages, state
                 pages.pop()  # no usable checkpoint at this depth: a shorter prefix, or nothing
+            if hit.base is not None:
+                return [], self.disk.read(hit.base[0], "state", hit.base[1])
             return [], None
         return pages, None

@@ -18,7 +18,8 @@ class PrefixMatch:
 
     node: Any  # a radix node; None for the no-op cache
     length: int
-    disk: Any = None  # a `DiskHit`: a continuation found only on disk (pages + the state at its end)
+    disk: Any = None  # a `DiskHit`: a continuation found only on disk (pages + the state at its end), or the
+    # checkpoint of `node` itself
 
 
 @dataclass

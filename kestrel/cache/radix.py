@@ -192,10 +192,13 @@ class RadixCache:
             self._tick(node)
             if node.has_checkpoint or not self.has_state:
                 best = PrefixMatch(node, node.depth)
-        if self.hicache is not None and i < max_pages:
+        if self.hicache is not None:
             pages = [self._page(ids, j) for j in range(i, max_pages)]
-            hit = self.hicache.probe_disk(self._last_hash(node), pages, self.has_state)
-            if hit is not None and hit.length > best.length:
+            # The tree's deepest node may have lost its checkpoint to the disk tier: a file there counts too.
+            base = node.key[-self.page_size :] if node is not self.root and not node.has_checkpoint else None
+            hit = self.hicache.probe_disk(self._last_hash(node), pages, self.has_state, self.page_size, base)
+            # hit.length counts from the node's end, best.length from the prompt's start.
+            if hit is not None and node.depth + hit.length > best.length:
                 best = PrefixMatch(node, node.depth, hit)
         return best
 
@@ -259,7 +262,8 @@ class RadixCache:
         return Acquired(node, length, [p for step in path for p in step.pages], hits)
 
     def _load_disk(self, node: RadixNode, ids: list[int], hit: DiskHit):
-        """Read, verify and insert a disk continuation under `node`: (new node, its state) or (None, None).
+        """Read, verify and insert a disk continuation under `node`: (new node, its state), (`node`, its state)
+        when only its checkpoint came from disk, or (None, None).
 
         The state also goes into a checkpoint slot when one is free; it is returned so the caller can seed the
         request's slot either way.
@@ -267,7 +271,15 @@ class RadixCache:
         pages_data, state = self.hicache.read_disk(hit, self.has_state)
         n = len(pages_data)
         if n == 0:
-            return None, None
+            if state is None:
+                return None, None
+            # Only the node's own checkpoint came from disk.
+            if node.checkpoint is None:
+                slot = self.alloc_slot()
+                if slot is not None:
+                    self.io.scatter_state(slot, state)
+                    self.set_checkpoint(node, slot)
+            return node, state
         got = self.alloc_pages(n)
         if got is None:
             return None, None

@@ -362,6 +362,7 @@ class Engine:
                 if self.hicache.disk is not None:
                     out["prefix_cache_disk_corrupt_files"] = self.hicache.disk.corrupt
                     out["hicache_disk_files_written"] = self.hicache.disk.written
+                    out["prefix_cache_disk_io_errors"] = self.hicache.disk.io_errors
         return out
 
     def close(self) -> None:

@@ -45,6 +45,13 @@ class ServerMetrics:
         self.cache_evicted = Gauge(
             "kestrel_prefix_cache_evicted_pages", "Device KV pages evicted from the prefix cache", registry=r
         )
+        self.disk_corrupt = Gauge(
+            "kestrel_prefix_cache_disk_corrupt_files", "Disk-tier files that failed verification", registry=r
+        )
+        self.disk_io_errors = Gauge(
+            "kestrel_prefix_cache_disk_io_errors", "Disk-tier OS errors, each treated as a miss", registry=r
+        )
+        self.disk_written = Gauge("kestrel_hicache_disk_files_written", "Files written to the disk tier", registry=r)
         self.finished = Counter(
             "kestrel_requests_finished", "Finished sequences by reason", ["finish_reason"], registry=r
         )
@@ -62,6 +69,10 @@ class ServerMetrics:
             self.cache_pages.set(stats["prefix_cache_pages"])
             self.cache_checkpoints.set(stats["prefix_cache_checkpoints"])
             self.cache_evicted.set(stats["prefix_cache_evicted_pages"])
+        if "hicache_disk_files_written" in stats:
+            self.disk_corrupt.set(stats["prefix_cache_disk_corrupt_files"])
+            self.disk_io_errors.set(stats["prefix_cache_disk_io_errors"])
+            self.disk_written.set(stats["hicache_disk_files_written"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
