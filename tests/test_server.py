@@ -447,6 +447,25 @@ def test_too_long_prompt_names_the_context_limit(http):
     assert str(MAX_MODEL_LEN) in err["message"] and err["code"] == "context_length_exceeded"
 
 
+LONE_SURROGATE = "a\\ud800b"  # the JSON escape of a lone surrogate: valid JSON, but not Unicode text
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "%s"}]}', "messages[0].content"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+         "messages[0].content"),
+        ("/v1/completions", '{"prompt": "%s", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", '{"prompt": ["ok", "%s"], "max_tokens": 1}', "prompt"),
+        ("/generate", '{"text": "%s"}', "text"),
+    ],
+)  # fmt: skip
+def test_lone_surrogate_in_text_is_a_400_naming_the_field(http, path, body, param):
+    r = http.post(path, content=body % LONE_SURROGATE, headers={"content-type": "application/json"})
+    assert "surrogate" in assert_openai_error(r, 400, param)["message"]
+
+
 def test_oversized_body_is_413(http):
     body = {"messages": [{"role": "user", "content": "x" * MAX_BODY}]}
     assert_openai_error(http.post("/v1/chat/completions", json=body), 413)

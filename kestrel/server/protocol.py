@@ -8,11 +8,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 
 from kestrel.engine.sampling_params import SamplingParams
 
-Str = Annotated[str, Strict()]
+
+def _unicode(text: str) -> str:
+    # JSON can escape a lone surrogate ("\\ud800"); it is no character, so the tokenizer cannot encode it.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text must be valid Unicode; got a lone surrogate at index {exc.start}") from None
+    return text
+
+
+Str = Annotated[str, Strict(), AfterValidator(_unicode)]
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
