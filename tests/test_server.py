@@ -227,6 +227,15 @@ def test_reasoning_effort_defaults_to_max_and_reaches_the_template(client, serve
     assert _prompt_tokens(client, server[1], reasoning_effort="high") == default + 1  # byte tokens: "high" vs "max"
 
 
+def test_openai_reasoning_efforts_map_to_the_nearest_supported_level(client, server):
+    assert _prompt_tokens(client, server[1], reasoning_effort="minimal") == _prompt_tokens(
+        client, server[1], reasoning_effort="low"
+    )
+    assert _prompt_tokens(client, server[1], reasoning_effort="medium") == _prompt_tokens(
+        client, server[1], reasoning_effort="high"
+    )
+
+
 def test_tool_choice_none_keeps_tools_out_of_the_prompt(client, server):
     with_tools = _prompt_tokens(client, server[1], tools=[WEATHER_TOOL])
     assert _prompt_tokens(client, server[1], tools=[WEATHER_TOOL], tool_choice="none") < with_tools
@@ -422,7 +431,7 @@ UNKNOWN_CHOICE = {"type": "function", "function": {"name": "x"}}
         ({"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
         ({"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
         ({"messages": MSG, "seed": 2**80}, 400, "seed"),
-        ({"messages": MSG, "reasoning_effort": "medium"}, 400, "reasoning_effort"),
+        ({"messages": MSG, "reasoning_effort": "extreme"}, 400, "reasoning_effort"),
         ({"messages": MSG, "model": "gpt-4o"}, 404, "model"),
         ({"messages": MSG, "tools": [NAMELESS_TOOL]}, 400, "tools[0].function.name"),
         ({"messages": MSG, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),

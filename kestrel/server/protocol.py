@@ -28,6 +28,8 @@ Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 TokenIds = Annotated[list[Int], Field(min_length=1)]
 
+# The chat template knows low / high / max; OpenAI's other levels become the nearest of those.
+NEAREST_EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max"}
 MAX_N = 128  # OpenAI's limit on choices per request
 SEED_RANGE = (-(2**63), 2**64 - 1 - MAX_N)  # what torch.Generator.manual_seed accepts, leaving room for seed + i
 
@@ -161,7 +163,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
-    reasoning_effort: Literal["low", "high", "max"] | None = None
+    reasoning_effort: (
+        Annotated[Literal["minimal", "low", "medium", "high", "max"], AfterValidator(NEAREST_EFFORT.__getitem__)] | None
+    ) = None
 
 
 class CompletionRequest(SamplingFields):
