@@ -395,7 +395,7 @@ def test_32_streaming_clients_8_disconnect_and_every_page_and_slot_is_freed(serv
 
 def test_non_streaming_client_that_disconnects_is_aborted(server, http):
     before = aborted(metrics(http))
-    body = {"model": server[1], "messages": USER, "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": server[1], "messages": USER, "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 10
@@ -473,6 +473,47 @@ LONE_SURROGATE = "a\\ud800b"  # the JSON escape of a lone surrogate: valid JSON,
 def test_lone_surrogate_in_text_is_a_400_naming_the_field(http, path, body, param):
     r = http.post(path, content=body % LONE_SURROGATE, headers={"content-type": "application/json"})
     assert "surrogate" in assert_openai_error(r, 400, param)["message"]
+
+
+CHAT_HI = '{"messages": [{"role": "user", "content": "hi"}], %s}'  # raw JSON: Infinity and NaN are not json=
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", CHAT_HI % '"max_tokens": 1e30', "max_tokens"),
+        ("/v1/chat/completions", CHAT_HI % ('"max_tokens": 1' + "0" * 30), "max_tokens"),
+        ("/v1/chat/completions", CHAT_HI % '"temperature": Infinity', "temperature"),
+        ("/v1/chat/completions", CHAT_HI % '"temperature": NaN', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "top_p": -Infinity}', "top_p"),
+        ("/generate", '{"input_ids": [1], "sampling_params": {"top_k": 2, "temperature": Infinity}}',
+         "sampling_params.temperature"),
+    ],
+)  # fmt: skip
+def test_non_finite_or_absurd_numbers_are_a_400_naming_the_field(http, path, body, param):
+    assert_openai_error(http.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": MAX_MODEL_LEN - 1}, "max_tokens"),
+        ("/v1/completions", {"prompt": [[1], [1, 2]], "max_tokens": MAX_MODEL_LEN - 1}, "max_tokens"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": MAX_MODEL_LEN - 1}},
+         "sampling_params.max_new_tokens"),
+    ],
+)  # fmt: skip
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_not_a_truncation(http, path, body, param):
+    err = assert_openai_error(http.post(path, json=body), 400, param)
+    assert str(MAX_MODEL_LEN) in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_prompt_plus_max_tokens_equal_to_the_context_is_accepted(http):
+    body = {"input_ids": [1] * (MAX_MODEL_LEN - 2), "sampling_params": {"max_new_tokens": 2}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
 
 
 def test_oversized_body_is_413(http):

@@ -160,6 +160,7 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
         ),
         renames,
     )
+    ctx.check_context(len(ids), params.max_tokens, renames.get("max_tokens", "max_tokens"))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, [rid], [ids], params, deltas=req.stream)
     try:

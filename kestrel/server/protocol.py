@@ -24,7 +24,7 @@ def _unicode(text: str) -> str:
 
 Str = Annotated[str, Strict(), AfterValidator(_unicode)]
 Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # Python's json reads Infinity and NaN
 Bool = Annotated[bool, Strict()]
 TokenIds = Annotated[list[Int], Field(min_length=1)]
 
