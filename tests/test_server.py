@@ -516,6 +516,19 @@ def test_prompt_plus_max_tokens_equal_to_the_context_is_accepted(http):
     assert r.status_code == 200, r.text
 
 
+def test_image_input_is_refused_as_unsupported_naming_the_part(http):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "what is this?"}, image]
+    body = {"messages": [*MSG, {"role": "user", "content": content}], "max_tokens": 1}
+    err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "messages[1].content[1]")
+    assert "image input is not supported" in err["message"]
+
+
+def test_empty_prompt_list_says_the_prompt_must_not_be_empty(http):
+    err = assert_openai_error(http.post("/v1/completions", json={"prompt": []}), 400, "prompt")
+    assert "prompt must not be empty" in err["message"]
+
+
 def test_oversized_body_is_413(http):
     body = {"messages": [{"role": "user", "content": "x" * MAX_BODY}]}
     assert_openai_error(http.post("/v1/chat/completions", json=body), 413)

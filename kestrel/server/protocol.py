@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator
 
 from kestrel.engine.sampling_params import SamplingParams
 
@@ -75,9 +75,18 @@ class TextPart(_Body):
     text: Str
 
 
+class MediaPart(_Body):
+    """A part of another modality: accepted by the schema only so that the refusal can say what was sent."""
+
+    type: Literal["image_url", "input_audio", "file"]
+
+
+Part = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[TextPart] | None = None
+    content: Str | list[Part] | None = None
     name: Str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Str | None = None
@@ -172,6 +181,13 @@ class CompletionRequest(SamplingFields):
     prompt: Str | TokenIds | Annotated[list[Str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: Int | None = None
     echo: Bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:  # else every member of the union reports its own complaint
+            raise ValueError("prompt must not be empty")
+        return value
 
 
 class GenerateSampling(_Body):
