@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # ConfigError and CheckpointError are ValueErrors
+    # ConfigError and CheckpointError are ValueErrors; ConnectionError: `bench serve` found no server.
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 from server_harness import running_server
@@ -108,3 +109,15 @@ def test_server_errors_are_counted_not_raised(server_url):
     (level,) = result["levels"]
     assert level["errors"] == level["requests"] == 2  # each session stops at its failed first turn
     assert all(r["status"] == 404 and "HTTP 404" in r["error"] for r in result["requests"])
+
+
+def test_unreachable_server_is_a_one_line_error_and_a_nonzero_exit(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed when the block ends: nothing listens there
+    argv = ["bench", "serve", "--base-url", url + "/v1", "--concurrency", "1", "--out", str(tmp_path)]
+    assert main(argv + TINY_FLAGS) != 0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and url in lines[0] and lines[0].startswith("error:"), captured
+    assert not (tmp_path / "bench_serve.json").exists()

@@ -1,3 +1,4 @@
+import socket
 import subprocess
 import sys
 
@@ -73,3 +74,16 @@ def test_prefix_cache_flags_parse_and_validate(tmp_path, capsys):
     blocker.write_text("")
     assert main(["generate", "--prompt", "hi", "--hicache-storage-dir", str(blocker / "sub")]) == 2
     assert "hicache_storage_dir" in capsys.readouterr().err
+
+
+def test_serve_on_a_taken_port_is_a_one_line_error_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), "--device", "cpu"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    output = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode != 0 and "Traceback" not in output, output
+    assert len(output.splitlines()) == 1 and str(port) in output and "in use" in output, output
+    assert "serving" not in output

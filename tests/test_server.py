@@ -239,6 +239,15 @@ def test_reasoning_effort_defaults_to_max_and_reaches_the_template(client, serve
     assert _prompt_tokens(client, server[1], reasoning_effort="high") == default + 1  # byte tokens: "high" vs "max"
 
 
+def test_openai_reasoning_efforts_map_to_the_nearest_supported_level(client, server):
+    assert _prompt_tokens(client, server[1], reasoning_effort="minimal") == _prompt_tokens(
+        client, server[1], reasoning_effort="low"
+    )
+    assert _prompt_tokens(client, server[1], reasoning_effort="medium") == _prompt_tokens(
+        client, server[1], reasoning_effort="high"
+    )
+
+
 def test_tool_choice_none_keeps_tools_out_of_the_prompt(client, server):
     with_tools = _prompt_tokens(client, server[1], tools=[WEATHER_TOOL])
     assert _prompt_tokens(client, server[1], tools=[WEATHER_TOOL], tool_choice="none") < with_tools
@@ -398,7 +407,7 @@ def test_32_streaming_clients_8_disconnect_and_every_page_and_slot_is_freed(serv
 
 def test_non_streaming_client_that_disconnects_is_aborted(server, http):
     before = aborted(metrics(http))
-    body = {"model": server[1], "messages": USER, "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": server[1], "messages": USER, "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 10
@@ -434,7 +443,7 @@ UNKNOWN_CHOICE = {"type": "function", "function": {"name": "x"}}
         ({"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
         ({"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
         ({"messages": MSG, "seed": 2**80}, 400, "seed"),
-        ({"messages": MSG, "reasoning_effort": "medium"}, 400, "reasoning_effort"),
+        ({"messages": MSG, "reasoning_effort": "extreme"}, 400, "reasoning_effort"),
         ({"messages": MSG, "model": "gpt-4o"}, 404, "model"),
         ({"messages": MSG, "tools": [NAMELESS_TOOL]}, 400, "tools[0].function.name"),
         ({"messages": MSG, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
@@ -457,6 +466,79 @@ def test_too_long_prompt_names_the_context_limit(http):
     body = {"messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}
     err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "messages")
     assert str(MAX_MODEL_LEN) in err["message"] and err["code"] == "context_length_exceeded"
+
+
+LONE_SURROGATE = "a\\ud800b"  # the JSON escape of a lone surrogate: valid JSON, but not Unicode text
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "%s"}]}', "messages[0].content"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+         "messages[0].content"),
+        ("/v1/completions", '{"prompt": "%s", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", '{"prompt": ["ok", "%s"], "max_tokens": 1}', "prompt"),
+        ("/generate", '{"text": "%s"}', "text"),
+    ],
+)  # fmt: skip
+def test_lone_surrogate_in_text_is_a_400_naming_the_field(http, path, body, param):
+    r = http.post(path, content=body % LONE_SURROGATE, headers={"content-type": "application/json"})
+    assert "surrogate" in assert_openai_error(r, 400, param)["message"]
+
+
+CHAT_HI = '{"messages": [{"role": "user", "content": "hi"}], %s}'  # raw JSON: Infinity and NaN are not json=
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", CHAT_HI % '"max_tokens": 1e30', "max_tokens"),
+        ("/v1/chat/completions", CHAT_HI % ('"max_tokens": 1' + "0" * 30), "max_tokens"),
+        ("/v1/chat/completions", CHAT_HI % '"temperature": Infinity', "temperature"),
+        ("/v1/chat/completions", CHAT_HI % '"temperature": NaN', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "top_p": -Infinity}', "top_p"),
+        ("/generate", '{"input_ids": [1], "sampling_params": {"top_k": 2, "temperature": Infinity}}',
+         "sampling_params.temperature"),
+    ],
+)  # fmt: skip
+def test_non_finite_or_absurd_numbers_are_a_400_naming_the_field(http, path, body, param):
+    assert_openai_error(http.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": MAX_MODEL_LEN - 1}, "max_tokens"),
+        ("/v1/completions", {"prompt": [[1], [1, 2]], "max_tokens": MAX_MODEL_LEN - 1}, "max_tokens"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": MAX_MODEL_LEN - 1}},
+         "sampling_params.max_new_tokens"),
+    ],
+)  # fmt: skip
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_not_a_truncation(http, path, body, param):
+    err = assert_openai_error(http.post(path, json=body), 400, param)
+    assert str(MAX_MODEL_LEN) in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_prompt_plus_max_tokens_equal_to_the_context_is_accepted(http):
+    body = {"input_ids": [1] * (MAX_MODEL_LEN - 2), "sampling_params": {"max_new_tokens": 2}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+
+
+def test_image_input_is_refused_as_unsupported_naming_the_part(http):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "what is this?"}, image]
+    body = {"messages": [*MSG, {"role": "user", "content": content}], "max_tokens": 1}
+    err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "messages[1].content[1]")
+    assert "image input is not supported" in err["message"]
+
+
+def test_empty_prompt_list_says_the_prompt_must_not_be_empty(http):
+    err = assert_openai_error(http.post("/v1/completions", json={"prompt": []}), 400, "prompt")
+    assert "prompt must not be empty" in err["message"]
 
 
 def test_oversized_body_is_413(http):

@@ -312,10 +312,16 @@ class BenchConfig:
 
 
 async def _served_model(client: httpx.AsyncClient) -> str | None:
+    """The first model /v1/models lists; raises ConnectionError when nothing answers (else every request would
+    just be counted as an error, and a sweep of errors looks like a result)."""
     try:
         r = await client.get("/v1/models")
+    except httpx.TransportError as exc:
+        url = str(client.base_url).rstrip("/")
+        raise ConnectionError(f"cannot reach the server at {url}: {exc or type(exc).__name__}") from None
+    try:
         return r.json()["data"][0]["id"] if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+    except (ValueError, KeyError, IndexError):
         return None
 
 
@@ -323,7 +329,8 @@ async def _sweep(cfg: BenchConfig) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=max(cfg.concurrency))
     async with httpx.AsyncClient(base_url=cfg.root_url, headers=headers, timeout=cfg.timeout, limits=limits) as client:
-        model = cfg.model or await _served_model(client)
+        served = await _served_model(client)
+        model = cfg.model or served
         system = system_prompt(cfg.seed, cfg.workload)
         levels, records, next_session = [], [], 0
         for c in cfg.concurrency:

@@ -18,7 +18,7 @@ from kestrel.chat_template import THINK_BEGIN, render_chat
 from kestrel.engine.engine import RequestOutput
 from kestrel.server.async_engine import SeqDelta
 from kestrel.server.errors import APIError, error_body
-from kestrel.server.protocol import ChatCompletionRequest
+from kestrel.server.protocol import ChatCompletionRequest, MediaPart
 from kestrel.server.reasoning import ReasoningParser
 from kestrel.server.serving import (
     SSE_DONE,
@@ -34,6 +34,7 @@ from kestrel.server.serving import (
 from kestrel.server.tool_calls import ToolCallDelta, ToolCallParser, merge_tool_calls
 
 DEFAULT_REASONING_EFFORT = "max"
+MEDIA_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file"}  # the model reads text only
 
 
 @dataclass
@@ -94,7 +95,7 @@ class ChatPlan:
 
 
 def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
-    """Validate tools / tool_choice and render the prompt."""
+    """Validate content parts and tools / tool_choice, and render the prompt."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     names = {t["function"]["name"] for t in tools}
     choice = req.tool_choice
@@ -104,6 +105,12 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         raise APIError(
             400, f"tool_choice: no tool named {choice.function.name!r} in `tools`", param="tool_choice.function.name"
         )
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if isinstance(part, MediaPart):
+                kind = MEDIA_KINDS[part.type]
+                param = f"messages[{i}].content[{j}]"
+                raise APIError(400, f"{param}: {kind} input is not supported by this model", param=param)
     use_tools = bool(tools) and choice != "none"
     try:
         prompt = render_chat(
@@ -160,6 +167,7 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
         ),
         renames,
     )
+    ctx.check_context(len(ids), params.max_tokens, renames.get("max_tokens", "max_tokens"))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, [rid], [ids], params, deltas=req.stream)
     try:

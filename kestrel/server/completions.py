@@ -63,6 +63,7 @@ async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: Se
     prompts = await _prompts(req, ctx)
     longest = max(len(p) for p in prompts)
     params = make_params(lambda: req.sampling_params(req.max_tokens, ctx.max_new_tokens(longest), req.logprobs))
+    ctx.check_context(longest, params.max_tokens, "max_tokens")
     base = f"cmpl-{uuid.uuid4().hex}"
     rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     gen = Generation(ctx, rids, prompts, params, deltas=req.stream)

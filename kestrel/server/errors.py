@@ -74,8 +74,12 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = list(exc.errors())
         if errors and errors[0].get("type") == "json_invalid":
             return error_response(APIError(400, f"malformed JSON body: {errors[0].get('msg')}", code="invalid_json"))
+        # A value_error comes from a union member whose type matched, so it says more than the others' type errors.
+        errors = [e for e in errors if e.get("type") == "value_error"][:1] or errors
         param = validation_param(errors)
         msg = errors[0].get("msg", "invalid request") if errors else "invalid request"
+        if errors and errors[0].get("type") == "value_error":
+            msg = str(errors[0].get("ctx", {}).get("error", msg))  # our own words, without pydantic's "Value error, "
         if errors and errors[0].get("type") == "missing" and param is None:
             msg = "a JSON request body is required"
         return error_response(APIError(400, f"{param}: {msg}" if param else msg, param=param))

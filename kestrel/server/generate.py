@@ -56,6 +56,7 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
     ids = await _prompt(req, ctx)
     logprobs = req.top_logprobs_num if req.return_logprob else None
     params = make_params(lambda: req.sampling_params.to_params(ctx.max_new_tokens(len(ids)), logprobs), _RENAMES)
+    ctx.check_context(len(ids), params.max_tokens, _RENAMES["max_tokens"])
     rid = req.rid or uuid.uuid4().hex
     # Deltas carry the routed experts (the final output does not), so collect them as they come.
     want = req.return_routed_experts

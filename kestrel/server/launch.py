@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
 import torch
@@ -36,8 +37,24 @@ def server_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind (host, port) and let go, as uvicorn will: a taken port is refused before the model loads, not after."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"host: cannot resolve {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise ValueError(f"port: cannot listen at {host}:{port}: {exc.strerror or exc}") from None
+
+
 def make_server(engine_config: EngineConfig, config: ServerConfig) -> uvicorn.Server:
     """The uvicorn server for this configuration (loads the model; the engine thread starts with the app)."""
+    check_address(config.host, config.port)
     if engine_config.num_threads == 0 and engine_config.device in ("auto", "cpu") and not torch.cuda.is_available():
         engine_config = dataclasses.replace(engine_config, num_threads=server_threads())
     engine = Engine(engine_config)

@@ -8,16 +8,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator
 
 from kestrel.engine.sampling_params import SamplingParams
 
-Str = Annotated[str, Strict()]
+
+def _unicode(text: str) -> str:
+    # JSON can escape a lone surrogate ("\\ud800"); it is no character, so the tokenizer cannot encode it.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text must be valid Unicode; got a lone surrogate at index {exc.start}") from None
+    return text
+
+
+Str = Annotated[str, Strict(), AfterValidator(_unicode)]
 Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # Python's json reads Infinity and NaN
 Bool = Annotated[bool, Strict()]
 TokenIds = Annotated[list[Int], Field(min_length=1)]
 
+# The chat template knows low / high / max; OpenAI's other levels become the nearest of those.
+NEAREST_EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max"}
 MAX_N = 128  # OpenAI's limit on choices per request
 SEED_RANGE = (-(2**63), 2**64 - 1 - MAX_N)  # what torch.Generator.manual_seed accepts, leaving room for seed + i
 
@@ -63,9 +75,18 @@ class TextPart(_Body):
     text: Str
 
 
+class MediaPart(_Body):
+    """A part of another modality: accepted by the schema only so that the refusal can say what was sent."""
+
+    type: Literal["image_url", "input_audio", "file"]
+
+
+Part = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[TextPart] | None = None
+    content: Str | list[Part] | None = None
     name: Str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Str | None = None
@@ -151,13 +172,22 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
-    reasoning_effort: Literal["low", "high", "max"] | None = None
+    reasoning_effort: (
+        Annotated[Literal["minimal", "low", "medium", "high", "max"], AfterValidator(NEAREST_EFFORT.__getitem__)] | None
+    ) = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Str | TokenIds | Annotated[list[Str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: Int | None = None
     echo: Bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:  # else every member of the union reports its own complaint
+            raise ValueError("prompt must not be empty")
+        return value
 
 
 class GenerateSampling(_Body):

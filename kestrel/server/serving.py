@@ -46,6 +46,19 @@ class ServingContext:
                 code="context_length_exceeded",
             )
 
+    def check_context(self, num_prompt_tokens: int, max_tokens: int, param: str) -> None:
+        """The prompt and `max_tokens` must both fit (as vLLM): the engine would silently cut `max_tokens` short."""
+        limit, total = self.engine.max_model_len, num_prompt_tokens + max_tokens
+        if total > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} in {param}). "
+                f"Please reduce the length of the prompt or {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     async def encode(self, text: str, param: str) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None:
