@@ -25,9 +25,27 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_device(name: str) -> None:
+    """Refuse a device this machine does not have before any model loads (torch would fail mid-load)."""
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device: unknown device {name!r} (auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {name!r} requested but CUDA is not available on this machine; use cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {name!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif device.type != "cpu":
+        raise ValueError(f"device: {name!r} is not supported (auto, cpu, cuda or cuda:N)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kestrel import LLM, SamplingParams
 
+    check_device(args.device)
     llm = LLM(args.model, **engine_kwargs(args))
     if llm.tokenizer is None:
         print(f"error: {args.model} has no tokenizer.json; cannot encode --prompt", file=sys.stderr)
@@ -58,6 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if logging.getLogger("kestrel").getEffectiveLevel() > logging.INFO:
         logging.getLogger("kestrel").setLevel(logging.INFO)  # capacity and URL are what an operator needs to see
     config = server_config(args)
+    check_device(args.device)
     serve(EngineConfig(model=args.model, **engine_kwargs(args)), config)  # returns after SIGINT/SIGTERM
     return 0
 

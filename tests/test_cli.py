@@ -2,6 +2,9 @@ import socket
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from kestrel.cli import main
 from kestrel.models.loader import load_model
 
@@ -87,3 +90,13 @@ def test_serve_on_a_taken_port_is_a_one_line_error_before_the_model_loads():
     assert proc.returncode != 0 and "Traceback" not in output, output
     assert len(output.splitlines()) == 1 and str(port) in output and "in use" in output, output
     assert "serving" not in output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["generate", "--prompt", "hi"]])
+def test_cuda_device_without_cuda_is_a_one_line_error_before_the_model_loads(command):
+    cmd = [sys.executable, "-m", "kestrel.cli", *command, "--device", "cuda"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    output = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode != 0 and "Traceback" not in output, output
+    assert len(output.splitlines()) == 1 and output.startswith("error: device: "), output
