@@ -124,10 +124,12 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         default = defaults.get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
         if "bool" in str(f.type):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name)
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=default, dest=f.name, help=f.metadata["help"])
             continue
         kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
-        parser.add_argument(flag, type=kind, default=default, dest=f.name)
+        choices = f.metadata.get("choices")
+        parser.add_argument(flag, type=kind, default=default, dest=f.name, choices=choices, help=f.metadata["help"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -155,12 +157,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kestrel", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = (
+    "Kestrel serves hybrid KDA / DSA / MLA mixture-of-experts models of the Kimi K3.1 family (kimi_linear, "
+    "deepseek_v32, kimi_k3 checkpoints) on CPU or CUDA. Run 'kestrel COMMAND --help' for a command's flags."
+)
 
-    mm = sub.add_parser("make-model", help="write a random checkpoint in a family's real on-disk format")
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None, whose meaning the flag's help text already says."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, about: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=about, description=about, formatter_class=HelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kestrel", description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mm = add_command(sub, "make-model", "write a random checkpoint in a family's real on-disk format")
     mm.add_argument("--family", required=True, choices=["kimi_linear", "deepseek_v32", "kimi_k3"])
     mm.add_argument("--size", default="tiny", choices=["tiny", "small"])
     mm.add_argument("--out", required=True)
@@ -168,22 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     mm.set_defaults(func=cmd_make_model)
 
-    gen = sub.add_parser("generate", help="complete a prompt (default model: the built-in one)")
-    gen.add_argument("model", nargs="?", default=None)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen = add_command(sub, "generate", "complete a prompt (default model: the built-in one)")
+    gen.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in model)")
+    gen.add_argument("--prompt", required=True, help="text to complete")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling (default: none)")
     add_engine_args(gen, max_total_tokens=4096)
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve a model over HTTP, OpenAI-compatible (default: the built-in model)")
-    srv.add_argument("model", nargs="?", default=None)
+    srv = add_command(sub, "serve", "serve a model over HTTP, OpenAI-compatible (default: the built-in model)")
+    srv.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in model)")
     add_server_args(srv)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    bn = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server with AgentX-style sessions")
+    bn = add_command(sub, "bench", "benchmark a running OpenAI-compatible server with AgentX-style sessions")
     bn.add_argument("mode", choices=["serve"])
     bn.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000 (a /v1 suffix is ok)")
     bn.add_argument("--model", default=None, help="default: the first model /v1/models lists")
@@ -204,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     bn.set_defaults(func=cmd_bench)
 
-    pl = sub.add_parser("plan", help="size weights, KV cache and KDA state per GPU for a deployment layout")
+    pl = add_command(sub, "plan", "size weights, KV cache and KDA state per GPU for a deployment layout")
     pl.add_argument("model", nargs="?", default="kimi-k3.1-pro", help="preset name or checkpoint folder")
     for flag, default in (("gpus", 8), ("tp", 8), ("dcp", 1), ("dp-attn", 1), ("ep", 1), ("pp", 1)):
         pl.add_argument("--" + flag, type=int, default=default)
@@ -219,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--draft-kv-ring", action=argparse.BooleanOptionalAction, default=None)
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
-    tr = sub.add_parser("train", help="SFT on synthetic chat episodes (--recipe; --ship makes it the default model)")
+    tr = add_command(sub, "train", "SFT on synthetic chat episodes (--recipe; --ship makes it the default model)")
     tr.add_argument("mode", choices=["sft"])
     tr.add_argument("--recipe", default="mini", choices=["mini", "tiny"])
     tr.add_argument("--out", default="out/sft-mini")
@@ -228,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default model")
     tr.set_defaults(func=cmd_train)
 
-    ev = sub.add_parser("eval", help="held-out accuracy (default: the built-in model): arithmetic or tool calling")
+    ev = add_command(sub, "eval", "held-out accuracy (default: the built-in model): arithmetic or tool calling")
     ev.add_argument("model", nargs="?", default=None)
     ev.add_argument("--task", required=True, choices=["arithmetic", "tools"])
     ev.add_argument("-n", type=int, default=200)

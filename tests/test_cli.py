@@ -1,3 +1,4 @@
+import re
 import socket
 import subprocess
 import sys
@@ -71,8 +72,9 @@ def test_prefix_cache_flags_parse_and_validate(tmp_path, capsys):
     assert config.hicache_storage_dir == str(tmp_path) and config.hicache_write_policy == "write_back"
     assert main(["generate", "--prompt", "hi", "--state-track-interval", "24"]) == 2
     assert "state_track_interval" in capsys.readouterr().err
-    assert main(["generate", "--prompt", "hi", "--hicache-write-policy", "lazy"]) == 2
-    assert "hicache_write_policy" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a listed choice: argparse refuses it before the engine
+        main(["generate", "--prompt", "hi", "--hicache-write-policy", "lazy"])
+    assert exit_info.value.code == 2 and "--hicache-write-policy" in capsys.readouterr().err
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert main(["generate", "--prompt", "hi", "--hicache-storage-dir", str(blocker / "sub")]) == 2
@@ -100,3 +102,23 @@ def test_cuda_device_without_cuda_is_a_one_line_error_before_the_model_loads(com
     output = (proc.stdout + proc.stderr).strip()
     assert proc.returncode != 0 and "Traceback" not in output, output
     assert len(output.splitlines()) == 1 and output.startswith("error: device: "), output
+
+
+def test_serve_help_gives_every_flag_a_help_line_its_default_and_its_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    options = text.split("\noptions:\n", 1)[1]
+    entries = re.split(r"\n(?=  -)", options.strip("\n"))  # one entry per flag: invocation, then its help
+    assert len(entries) >= 28, entries
+    for entry in entries:
+        invocation, *rest = re.split(r" {2,}|\n", entry.strip(), maxsplit=1)
+        help_text = rest[0] if rest else ""
+        assert help_text.strip(), f"no help for {invocation}"
+        if invocation != "-h, --help":
+            assert "default:" in help_text, f"no default shown for {invocation}"
+    for choice in ("float16", "write_through_selective", "write_back", "kimi_k2", "cuda:N", "cpu"):
+        assert choice in text, choice
+    assert "--dtype {float32,bfloat16,float16}" in text and "--reasoning-parser {kimi,none}" in text
+    assert text.split("\n\n")[1].startswith("serve a model over HTTP")  # the command's own description

@@ -2,47 +2,69 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kestrel.config import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass
 class EngineConfig:
     """Serving knobs; each maps one-to-one onto a CLI flag (SGLang's names where a twin exists)."""
 
-    model: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    page_size: int = 16
-    max_total_tokens: int | None = None
-    mem_fraction: float = 0.5
-    max_running_requests: int = 64
-    max_num_batched_tokens: int = 2048
-    chunked_prefill_size: int = 512
-    max_model_len: int | None = None
-    seed: int = 0
+    model: str | None = field(default=None, metadata={"help": "checkpoint folder (default: the built-in model)"})
+    dtype: str = field(default="float32", metadata={"help": "weight and activation dtype", "choices": DTYPES})
+    device: str = field(default="auto", metadata={"help": "auto (CUDA if available, else CPU), cpu, cuda or cuda:N"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV-cache page"})
+    max_total_tokens: int | None = field(
+        default=None, metadata={"help": "KV-cache capacity in tokens (default: what --mem-fraction holds)"}
+    )
+    mem_fraction: float = field(
+        default=0.5, metadata={"help": "fraction of free device memory (CPU: available RAM) for the caches"}
+    )
+    max_running_requests: int = field(default=64, metadata={"help": "requests decoded together (KDA state slots)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
+    chunked_prefill_size: int = field(default=512, metadata={"help": "prefill chunk in tokens (-1: whole prompt)"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest prompt + output (default: the model's, capped at 32768)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the engine's sampling generators"})
     # Prefix cache (radix tree with KDA state checkpoints) and its lower tiers (HiCache).
-    enable_prefix_caching: bool = True
-    state_track_interval: int = 256
-    max_states_per_path: int = -1
-    max_state_checkpoints: int | None = None
-    hicache_size: float = 0.0
-    hicache_storage_dir: str | None = None
-    hicache_write_policy: str = "write_through"
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prompt prefixes (radix tree)"})
+    state_track_interval: int = field(
+        default=256, metadata={"help": "tokens between KDA state checkpoints (a multiple of --page-size)"}
+    )
+    max_states_per_path: int = field(
+        default=-1, metadata={"help": "KDA state checkpoints kept per cached prefix (-1: unlimited)"}
+    )
+    max_state_checkpoints: int | None = field(
+        default=None, metadata={"help": "KDA state checkpoints kept in all (default: 2 × --max-running-requests)"}
+    )
+    hicache_size: float = field(default=0.0, metadata={"help": "GB of host memory for evicted pages (0: no host tier)"})
+    hicache_storage_dir: str | None = field(
+        default=None, metadata={"help": "folder for page files on disk, the third tier (default: none)"}
+    )
+    hicache_write_policy: str = field(
+        default="write_through",
+        metadata={"help": "when device pages are copied to the lower tiers", "choices": HICACHE_WRITE_POLICIES},
+    )
     # torch intra-op threads on CPU (0: torch's default, all cores; `kestrel serve` leaves one core to HTTP).
-    num_threads: int = 0
+    num_threads: int = field(
+        default=0, metadata={"help": "torch intra-op threads on CPU (0: torch's default; serve: all cores but one)"}
+    )
     # Compiled decode step: torch.compile (inductor) over padded batch-size buckets; CUDA graphs on CUDA.
-    compile: bool = False
-    compile_max_bs: int = 8
-    cuda_graph_max_bs: int = 32
+    compile: bool = field(default=False, metadata={"help": "compile the decode step (CUDA graphs on CUDA)"})
+    compile_max_bs: int = field(default=8, metadata={"help": "largest decode batch compiled on CPU"})
+    cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest decode batch captured as a CUDA graph"})
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, why: str) -> None:
             if not cond:
                 raise ConfigError(f"engine option {name!r}: {why}")
 
-        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32|bfloat16|float16")
+        need(self.dtype in DTYPES, "dtype", "|".join(DTYPES))
         need(self.page_size >= 1, "page_size", "must be >= 1")
         need(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens", "must be >= 1")
         need(0 < self.mem_fraction <= 1, "mem_fraction", "must be in (0, 1]")
@@ -62,7 +84,7 @@ class EngineConfig:
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
         need(
-            self.hicache_write_policy in ("write_through", "write_through_selective", "write_back"),
+            self.hicache_write_policy in HICACHE_WRITE_POLICIES,
             "hicache_write_policy",
-            "write_through|write_through_selective|write_back",
+            "|".join(HICACHE_WRITE_POLICIES),
         )

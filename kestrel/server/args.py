@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 REASONING_PARSERS = ("kimi", "none")
 TOOL_CALL_PARSERS = ("kimi_k2", "none")
@@ -12,15 +12,25 @@ TOOL_CALL_PARSERS = ("kimi_k2", "none")
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_queued_requests: int | None = None  # None: unbounded; beyond it new requests get 503 + Retry-After
-    reasoning_parser: str = "kimi"
-    tool_call_parser: str = "kimi_k2"
-    max_request_bytes: int = 4 << 20
-    graceful_shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0: all interfaces)"})
+    port: int = field(default=30000, metadata={"help": "TCP port to listen on"})
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' (default: open)"})
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name clients pass (default: MODEL as given, or the built-in's name)"}
+    )
+    max_queued_requests: int | None = field(
+        default=None, metadata={"help": "queued requests beyond which new ones get 503 (default: unbounded)"}
+    )
+    reasoning_parser: str = field(
+        default="kimi", metadata={"help": "split reasoning from content", "choices": REASONING_PARSERS}
+    )
+    tool_call_parser: str = field(
+        default="kimi_k2", metadata={"help": "parse tool calls from the output", "choices": TOOL_CALL_PARSERS}
+    )
+    max_request_bytes: int = field(default=4 << 20, metadata={"help": "largest request body accepted (413 above)"})
+    graceful_shutdown_timeout: float = field(
+        default=30.0, metadata={"help": "seconds in-flight requests get to finish on SIGINT/SIGTERM"}
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -41,11 +51,15 @@ class ServerConfig:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """One flag per `ServerConfig` field (`--host`, `--api-key`, `--reasoning-parser`, ...)."""
-    choices = {"reasoning_parser": REASONING_PARSERS, "tool_call_parser": TOOL_CALL_PARSERS}
     for f in dataclasses.fields(ServerConfig):
         kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=kind, default=f.default, dest=f.name, choices=choices.get(f.name)
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=f.default,
+            dest=f.name,
+            choices=f.metadata.get("choices"),
+            help=f.metadata["help"],
         )
 
 
