@@ -66,6 +66,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     layout = Layout(**{k: v for k, v in vars(args).items() if k in fields})
     result = plan(resolve_model(args.model), layout, model=args.model)
     print(json.dumps(result.to_dict()) if args.json else format_plan(result))
+    if not result.fits:
+        print(f"error: this layout does not fit: {result.reason}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -223,19 +226,40 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     bn.set_defaults(func=cmd_bench)
 
+    from kestrel.plan import EXPERT_BYTES_PER_PARAM, KV_FORMATS, Layout
+
     pl = add_command(sub, "plan", "size weights, KV cache and KDA state per GPU for a deployment layout")
     pl.add_argument("model", nargs="?", default="kimi-k3.1-pro", help="preset name or checkpoint folder")
-    for flag, default in (("gpus", 8), ("tp", 8), ("dcp", 1), ("dp-attn", 1), ("ep", 1), ("pp", 1)):
-        pl.add_argument("--" + flag, type=int, default=default)
-    pl.add_argument("--pp-partition", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    pl.add_argument("--gpu-mem-gib", type=float, default=141.0)
-    pl.add_argument("--mem-fraction", type=float, default=0.9)
-    pl.add_argument("--kv-format", default="fp8", choices=["bf16", "fp8", "nvfp4"])
-    pl.add_argument("--weight-format", default="mxfp4", choices=["mxfp4", "fp8", "bf16"])
-    pl.add_argument("--context-len", type=int, default=1 << 20)
-    pl.add_argument("--max-running-requests", type=int, default=None)
-    pl.add_argument("--speculative-algorithm", type=str.lower, default=None, choices=["dflash"])
-    pl.add_argument("--draft-kv-ring", action=argparse.BooleanOptionalAction, default=None)
+    lay = Layout()  # the preset's TP8 layout on 8 GB300; flags override it one field each
+    for flag, about in (
+        ("gpus", "GPUs in all (tp × pp × replicas)"),
+        ("tp", "tensor-parallel GPUs per pipeline stage"),
+        ("dcp", "decode context parallelism: MLA KV sharded by token"),
+        ("dp_attn", "attention data-parallel groups within --tp"),
+        ("ep", "expert parallelism within --tp"),
+        ("pp", "pipeline stages"),
+    ):
+        pl.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(lay, flag), help=about)
+    pl.add_argument(
+        "--pp-partition",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="layers per stage, e.g. 24,24,24,21 (default: even)",
+    )
+    pl.add_argument("--gpu-mem-gib", type=float, default=lay.gpu_mem_gib, help="memory per GPU in GiB (GB300)")
+    pl.add_argument("--mem-fraction", type=float, default=lay.mem_fraction, help="share of it for weights and caches")
+    pl.add_argument("--kv-format", default=lay.kv_format, choices=sorted(KV_FORMATS), help="MLA / indexer KV storage")
+    pl.add_argument(
+        "--weight-format", default=lay.weight_format, choices=sorted(EXPERT_BYTES_PER_PARAM), help="routed experts"
+    )
+    pl.add_argument("--context-len", type=int, default=lay.context_len, help="tokens of one full-context request")
+    pl.add_argument(
+        "--max-running-requests", type=int, default=None, help="state pool per engine (default: full contexts that fit)"
+    )
+    pl.add_argument("--speculative-algorithm", type=str.lower, default=None, choices=["dflash"], help="default: none")
+    pl.add_argument(
+        "--draft-kv-ring", action=argparse.BooleanOptionalAction, default=None, help="DFlash draft KV (default: on)"
+    )
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
     tr = add_command(sub, "train", "SFT on synthetic chat episodes (--recipe; --ship makes it the default model)")

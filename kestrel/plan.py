@@ -242,7 +242,7 @@ class Layout:
     ep: int = 1
     pp: int = 1
     pp_partition: list[int] | None = None
-    gpu_mem_gib: float = 141.0
+    gpu_mem_gib: float = 268.0  # one GB300 (288 GB), the seeds' hardware: the preset's TP8 layout fits on 8
     mem_fraction: float = 0.9
     kv_format: str = "fp8"
     weight_format: str = "mxfp4"
@@ -338,11 +338,13 @@ class Plan:
     attention_groups: int
     state_pool_requests: int
     max_concurrent_requests: int | None
+    concurrency_bound: str
     max_cached_tokens: int | None
     max_cached_tokens_total: int | None
     full_context_requests: int | None
     full_context_requests_per_group: int | None
     fits: bool
+    reason: str  # why the layout does not fit; "" when it does
     stages: list[StagePlan] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
 
@@ -415,10 +417,31 @@ def plan(cfg: ModelConfig, layout: Layout | None = None, model: str = "") -> Pla
         [_floor_div(st.free_bytes - pool * st.kda_state_bytes_per_request, st.kv_bytes_per_token) for st in stages]
     )
     full = full_fit if mrr_group is None else _min([mrr_group, None if tokens is None else tokens // ctx])
-    ceiling = _min([_floor_div(st.free_bytes, st.kda_state_bytes_per_request) for st in stages] + [mrr_group])
-    if ceiling is None:
-        ceiling = tokens  # no KDA state and no cap: each request needs at least one token of KV
-    fits = all(st.free_bytes > 0 for st in stages) and (tokens is None or tokens > 0)
+    # Concurrency per group: the smallest bound wins, and the plan names it.
+    bounds: list[tuple[int | None, str]] = []
+    if mrr_group is not None:
+        bounds.append((mrr_group, "--max-running-requests"))
+    elif cfg.kda_layers:
+        bounds.append((pool, "state pool: one KDA slot per full-context request; set --max-running-requests"))
+    state = _min([_floor_div(st.free_bytes, st.kda_state_bytes_per_request) for st in stages])
+    bounds.append((state, "memory: KDA state"))
+    if state is None or tokens:  # a pool that does not fit leaves 0 tokens; the misfit reason says so
+        bounds.append((tokens, "KV cache: one token per request"))
+    ceiling, bound = min(((v, b) for v, b in bounds if v is not None), key=lambda vb: vb[0], default=(None, ""))
+
+    budget_text = f"the budget {_gib(budget)} (--gpu-mem-gib {lay.gpu_mem_gib:g} × --mem-fraction {lay.mem_fraction:g})"
+    reason = ""
+    if any(st.free_bytes <= 0 for st in stages):
+        need = max(st.weight_bytes for st in stages)
+        reason = f"weights need {_gib(need)} per GPU, over {budget_text}"
+    elif tokens is not None and tokens <= 0:
+        reason = (
+            f"a state pool of {pool} requests per group needs {_gib(pool * stages[0].kda_state_bytes_per_request)} "
+            f"per GPU, over the {_gib(min(st.free_bytes for st in stages))} left after weights"
+        )
+    elif ceiling is not None and ceiling < 1:
+        reason = f"not one {ctx:,}-token request fits in {budget_text} after weights; lower --context-len"
+    fits = not reason
 
     worst = max(stages, key=lambda st: (st.weight_bytes, st.kv_bytes_per_token))
     heads = cfg.kda_num_heads // lay.attn_tp if cfg.kda_layers else 0
@@ -447,11 +470,13 @@ def plan(cfg: ModelConfig, layout: Layout | None = None, model: str = "") -> Pla
         attention_groups=groups,
         state_pool_requests=pool,
         max_concurrent_requests=times(ceiling),
+        concurrency_bound=bound,
         max_cached_tokens=tokens,
         max_cached_tokens_total=times(tokens),
         full_context_requests=times(full),
         full_context_requests_per_group=full,
         fits=fits,
+        reason=reason,
         stages=stages,
         assumptions=[
             f"weights: routed experts {lay.weight_format} ({EXPERT_BYTES_PER_PARAM[lay.weight_format] * 8:g} bits), "
@@ -479,6 +504,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _count(n: int) -> str:
+    """2.8T, 101.9B, 7.6M: parameter counts at a readable scale."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
 def _num(n: float | None) -> str:
     return "unbounded" if n is None else f"{n:,}"
 
@@ -486,12 +519,13 @@ def _num(n: float | None) -> str:
 def format_plan(p: Plan) -> str:
     """A readable table of the plan's headline figures."""
     lay = p.layout
+    gpus = f"{lay['gpus']} GPU" + ("s" if lay["gpus"] != 1 else "")
     shape = (
-        f"{lay['gpus']} GPUs · TP{lay['tp']} · attention DP{lay['dp_attn']} × TP{lay['attn_tp']} · "
+        f"{gpus} · TP{lay['tp']} · attention DP{lay['dp_attn']} × TP{lay['attn_tp']} · "
         f"DCP{lay['dcp']} · EP{lay['ep']} · PP{lay['pp']}"
     )
     rows = [
-        ("model", f"{p.model} ({p.total_params / 1e9:,.1f}B params, {p.active_params / 1e9:,.1f}B active)"),
+        ("model", f"{p.model} ({_count(p.total_params)} params, {_count(p.active_params)} active)"),
         ("layout", shape),
         (
             "KV format",
@@ -509,12 +543,13 @@ def format_plan(p: Plan) -> str:
         ),
         ("attention groups", str(p.attention_groups)),
         ("state pool (requests per group)", str(p.state_pool_requests)),
-        ("max concurrent requests", _num(p.max_concurrent_requests)),
+        (
+            "max concurrent requests",
+            _num(p.max_concurrent_requests) + (f" (bound: {p.concurrency_bound})" if p.concurrency_bound else ""),
+        ),
         ("max cached tokens per group", _num(p.max_cached_tokens)),
         (f"full {lay['context_len']:,}-token requests", _num(p.full_context_requests)),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    if not p.fits:
-        lines.append("warning: this layout does not fit (weights or the state pool exceed the budget)")
     return "\n".join(lines)

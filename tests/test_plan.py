@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -97,7 +98,10 @@ def test_dcp8_holds_eight_times_the_full_contexts_of_tp8(k31):
 def test_max_running_requests_caps_concurrency_and_reserves_its_state_pool(k31):
     free = plan(k31, Layout(gpu_mem_gib=GB300_GIB))
     capped = plan(k31, Layout(gpu_mem_gib=GB300_GIB, max_running_requests=100))
-    assert free.max_concurrent_requests == free.free_bytes_per_rank // free.kda_state_bytes_per_request_per_rank
+    # Uncapped, the pool holds one slot per full-context request, and that pool bounds concurrency.
+    assert free.max_concurrent_requests == free.state_pool_requests == free.full_context_requests == 3
+    assert free.concurrency_bound.startswith("state pool")
+    assert capped.concurrency_bound == "--max-running-requests"
     assert capped.max_concurrent_requests == 100 and capped.state_pool_requests == 100
     room = capped.free_bytes_per_rank - 100 * capped.kda_state_bytes_per_request_per_rank
     assert capped.max_cached_tokens == room // 18_912
@@ -178,3 +182,40 @@ def test_plans_a_real_checkpoint_folder(tmp_path, capsys):
     per_layer = kv_bytes_per_token_layer(cfg, "dsa", "fp8")
     assert out["kv_bytes_per_token_per_rank"] == per_layer * len(cfg.attention_layers)
     assert out["fits"] and out["full_context_requests"] >= 1
+
+
+def test_default_plan_fits_and_reads_consistently(capsys):
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "2.8T params, 101.9B active" in out and "8 GPUs" in out
+    rows = dict(line.split("  ", 1) for line in out.splitlines())
+    pool = int(rows["state pool (requests per group)"].strip())
+    concurrency = rows["max concurrent requests"].strip()
+    assert pool >= 1 and concurrency.startswith(f"{pool} (bound: state pool")
+    assert not rows["free per GPU"].strip().startswith("-")
+
+
+def test_a_layout_that_does_not_fit_exits_2_with_one_line_reason(capsys):
+    assert main(["plan", "--gpu-mem-gib", "141"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: this layout does not fit: weights need"), err
+    assert main(["plan", "--max-running-requests", "5000", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert main(["plan", "--gpu-mem-gib", "210", "--context-len", str(1 << 22)]) == 2
+    assert "--context-len" in capsys.readouterr().err
+
+
+def test_concurrency_is_the_smaller_of_the_cap_and_what_memory_holds(k31):
+    capped = plan(k31, Layout(max_running_requests=10))
+    assert capped.max_concurrent_requests == 10 and capped.concurrency_bound == "--max-running-requests"
+    p = plan(k31, Layout(max_running_requests=5000))
+    assert not p.fits and p.concurrency_bound == "memory: KDA state"
+    assert p.max_concurrent_requests == p.free_bytes_per_rank // p.kda_state_bytes_per_request_per_rank
+
+
+def test_small_model_counts_print_in_thousands_on_one_gpu(tmp_path, capsys):
+    path = make_model("kimi_k3", "tiny", tmp_path / "m")
+    assert main(["plan", str(path), "--gpus", "1", "--tp", "1", "--gpu-mem-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 GPU ·" in out and "0.0B" not in out
+    assert re.search(r"\(\d+\.\dK params, \d+\.\dK active\)", out), out
