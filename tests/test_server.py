@@ -228,6 +228,30 @@ def test_sampling_knobs_are_accepted(client, server):
     assert resp.usage.completion_tokens == 5 or resp.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_it(http, checkpoint):
+    from kestrel.tokenizer import load_tokenizer
+
+    prompt = [5, 17, 99, 3]
+    greedy = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    (top,) = http.post("/generate", json=greedy).json()["output_ids"]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    forced = load_tokenizer(checkpoint).encode("Q").ids[0]
+    out = http.post("/v1/completions", json=body | {"logit_bias": {str(forced): 100}}).json()["choices"][0]
+    assert out["text"] == "QQQQ"
+    banned = http.post("/v1/completions", json=body | {"logit_bias": {str(top): -100}}).json()["choices"][0]
+    # Logprobs are the model's own, so the first token lost its place to a less likely one.
+    assert banned["logprobs"]["token_logprobs"][0] < plain[0]
+
+
+def test_text_response_format_best_of_n_and_template_reasoning_effort_are_honoured(client, server):
+    kwargs = dict(model=server[1], messages=USER, max_tokens=1, n=2)
+    resp = client.chat.completions.create(**kwargs, response_format={"type": "text"}, extra_body={"best_of": 2})
+    assert len(resp.choices) == 2
+    high = _prompt_tokens(client, server[1], extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert high == _prompt_tokens(client, server[1], reasoning_effort="high") > _prompt_tokens(client, server[1])
+
+
 # -- chat template knobs and tools ---------------------------------------------------------------------------
 def _prompt_tokens(client, name, **kwargs) -> int:
     return client.chat.completions.create(model=name, messages=USER, max_tokens=1, **kwargs).usage.prompt_tokens
@@ -452,6 +476,17 @@ UNKNOWN_CHOICE = {"type": "function", "function": {"name": "x"}}
         ({"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
         ({"messages": MSG, "tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, 400, "tool_choice"),
         ({"messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}, 400, "messages"),
+        ({"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+         "response_format"),
+        ({"messages": MSG, "best_of": 3}, 400, "best_of"),
+        ({"messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"five": 1}}, 400, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {str(10**6): 1}}, 400, "logit_bias"),
+        ({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}, 400,
+         "chat_template_kwargs.enable_thinking"),
+        ({"messages": MSG, "chat_template_kwargs": {"reasoning_effort": "extreme"}}, 400,
+         "chat_template_kwargs.reasoning_effort"),
     ],
 )  # fmt: skip
 def test_invalid_chat_requests_get_an_openai_error(http, body, status, param):
@@ -552,6 +587,8 @@ def test_oversized_body_is_413(http):
         ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "suffix": "bye"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "best_of": 2, "n": 1}, "best_of"),
         ("/generate", {"text": "a", "input_ids": [1]}, "input_ids"),
         ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
         ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
