@@ -197,6 +197,18 @@ def test_chat_logprobs_one_entry_per_generated_token(client, server):
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
 
 
+def test_chat_logprob_bytes_are_the_raw_bytes_of_a_byte_level_token(client, server):
+    from kestrel.tokenizer import BYTE_SPECIALS
+
+    lead = len(BYTE_SPECIALS) + 0xE4  # the byte-level token of 0xE4: the first byte of a 3-byte UTF-8 character
+    resp = client.chat.completions.create(
+        model=server[1], messages=USER, max_tokens=2, temperature=0, logprobs=True, top_logprobs=1,
+        extra_body={"logit_bias": {str(lead): 100}, "ignore_eos": True},
+    )  # fmt: skip
+    entries = resp.choices[0].logprobs.content
+    assert [e.bytes for e in entries] == [[0xE4], [0xE4]]
+
+
 def test_completions_batch_and_stream_agree(http, server):
     body = {"model": server[1], "prompt": ["Hello", "Hi"], "max_tokens": 12, "n": 2, "temperature": 0.8, "seed": 5}
     whole = http.post("/v1/completions", json=body).json()

@@ -163,7 +163,7 @@ def chat_logprobs(
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
         s = text_of(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": lp, "bytes": text_of.bytes(tid)}
 
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
