@@ -365,7 +365,7 @@ def test_generate_returns_logprobs_and_routed_experts_of_the_row_that_sampled_ea
 
     prompt = [5, 17, 99, 3, 42, 7]
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0}, "return_logprob": True}
-    out = http.post("/generate", json=body).json()
+    out = http.post("/generate", json=body | {"return_routed_experts": True}).json()
     meta = out["meta_info"]
     assert len(out["output_ids"]) == meta["completion_tokens"] == 5 and meta["finish_reason"]["type"] == "length"
     assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
@@ -382,6 +382,59 @@ def test_generate_returns_logprobs_and_routed_experts_of_the_row_that_sampled_ea
     for k, per_layer in enumerate(meta["routed_experts"]):
         want = [sorted(batch.routed_experts[layer][len(prompt) - 1 + k].tolist()) for layer in moe_layers]
         assert [sorted(e) for e in per_layer] == want
+
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def test_generate_routed_experts_are_opt_in(http):
+    meta = http.post("/generate", json={"input_ids": [5, 17, 99], "sampling_params": GREEDY}).json()["meta_info"]
+    assert not any(k.startswith("routed_experts") for k in meta)
+
+
+def test_generate_input_token_logprobs_start_at_logprob_start_len(http):
+    prompt = [5, 17, 99, 3, 42, 7]
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 2}
+    whole = http.post("/generate", json=body | {"logprob_start_len": 0}).json()["meta_info"]
+    entries = whole["input_token_logprobs"]
+    assert [t for _, t, _ in entries] == prompt and entries[0] == [None, prompt[0], None]
+    assert all(lp <= 0 for lp, _, _ in entries[1:]) and whole["input_top_logprobs"][0] is None
+    assert all(len(top) == 2 for top in whole["input_top_logprobs"][1:])
+    tail = http.post("/generate", json=body | {"logprob_start_len": 2}).json()["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in tail] == prompt[2:]
+    assert [lp for lp, _, _ in tail] == pytest.approx([lp for lp, _, _ in entries[2:]], abs=1e-4)
+    assert "input_token_logprobs" not in http.post("/generate", json=body).json()["meta_info"]
+    assert_openai_error(http.post("/generate", json=body | {"logprob_start_len": 6}), 400, "logprob_start_len")
+    no_lp = {"input_ids": prompt, "logprob_start_len": 0}
+    assert_openai_error(http.post("/generate", json=no_lp), 400, "logprob_start_len")
+
+
+@pytest.mark.parametrize("key, batch", [("text", ["Hello", "Hi there"]), ("input_ids", [[5, 17, 99], [3, 42]])])
+def test_generate_batch_returns_one_result_per_prompt_in_order(http, key, batch):
+    out = http.post("/generate", json={key: batch, "sampling_params": GREEDY}).json()
+    singles = [http.post("/generate", json={key: p, "sampling_params": GREEDY}).json() for p in batch]
+    assert isinstance(out, list) and [r["output_ids"] for r in out] == [r["output_ids"] for r in singles]
+    assert [r["meta_info"]["prompt_tokens"] for r in out] == [r["meta_info"]["prompt_tokens"] for r in singles]
+    one = http.post("/generate", json={key: batch[:1], "sampling_params": GREEDY}).json()
+    assert isinstance(one, list) and len(one) == 1  # a batch of one is still a batch
+
+
+def test_generate_stream_sends_cumulative_text_then_done(http):
+    body = {"text": "Hello", "sampling_params": GREEDY, "return_logprob": True}
+    whole = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json=body | {"stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert len(chunks) > 1
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    last = chunks[-1]
+    assert last["text"] == whole["text"] and last["output_ids"] == whole["output_ids"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert len(last["meta_info"]["output_token_logprobs"]) == 6
 
 
 def test_abort_request_ends_a_running_generate(http):

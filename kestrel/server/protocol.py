@@ -237,7 +237,9 @@ class GenerateSampling(_Body):
     ignore_eos: Bool = False
     skip_special_tokens: Bool = True
 
-    def to_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_params(
+        self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         seed = self.sampling_seed
@@ -260,19 +262,25 @@ class GenerateSampling(_Body):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
-class GenerateRequest(_Body):
-    """SGLang's token-level `/generate` (RL rollouts): exactly one of `text` / `input_ids`."""
+Rid = Annotated[str, Strict(), Field(min_length=1, max_length=256)]
 
-    text: Str | None = None
-    input_ids: list[Int] | None = None
+
+class GenerateRequest(_Body):
+    """SGLang's token-level `/generate` (RL rollouts): exactly one of `text` / `input_ids`, each one prompt or a
+    batch (a list of texts, a list of id lists); a batch answers with a list of results."""
+
+    text: Str | Annotated[list[Str], Field(min_length=1)] | None = None
+    input_ids: list[Int] | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     return_logprob: Bool = False
     top_logprobs_num: Int = 0
-    return_routed_experts: Bool = True
-    rid: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
+    logprob_start_len: Int = -1  # -1: no input-token logprobs
+    return_routed_experts: Bool = False  # opt-in: a rollout that does not replay them should not pay for them
+    rid: Rid | list[Rid] | None = None
     stream: Bool = False
 
 
