@@ -44,6 +44,9 @@ TOL = 0.03  # > 4 standard deviations of a frequency estimated from 4000 draws
         ("seed", 1.5),
         ("seed", "42"),
         ("stop", [""]),
+        ("logit_bias", {3: 100.5}),
+        ("logit_bias", {3: float("nan")}),
+        ("logit_bias", {-1: 1.0}),
     ],
 )
 def test_invalid_params_raise_naming_field(field, value):
@@ -215,6 +218,18 @@ def test_repetition_penalty():
     row = SamplingRow(SamplingParams(repetition_penalty=2.0), prompt_ids=[0, 1], output_ids=[3, 3], generator=None)
     got = _processed_logits(Sampler([]), logits, row)
     assert torch.allclose(got, torch.tensor([1.0, -4.0, 1.0, -2.0, 0.5]))
+
+
+def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_it_per_row():
+    logits = torch.stack([LOGITS, LOGITS, LOGITS])
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logit_bias={6: 100}), [0], [], None),
+        SamplingRow(SamplingParams(temperature=0, logit_bias={0: -100, 1: -100}), [0], [], None),
+        SamplingRow(SamplingParams(temperature=0), [0], [], None),
+    ]
+    out = Sampler([]).sample(logits, rows)
+    assert out.token_ids == [6, 2, 0]
+    assert out.logprobs[0] == pytest.approx(math.log(PROBS[6].item()), rel=1e-4)  # logprobs stay the model's
 
 
 def test_frequency_and_presence_penalties():

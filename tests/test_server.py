@@ -197,6 +197,18 @@ def test_chat_logprobs_one_entry_per_generated_token(client, server):
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
 
 
+def test_chat_logprob_bytes_are_the_raw_bytes_of_a_byte_level_token(client, server):
+    from kestrel.tokenizer import BYTE_SPECIALS
+
+    lead = len(BYTE_SPECIALS) + 0xE4  # the byte-level token of 0xE4: the first byte of a 3-byte UTF-8 character
+    resp = client.chat.completions.create(
+        model=server[1], messages=USER, max_tokens=2, temperature=0, logprobs=True, top_logprobs=1,
+        extra_body={"logit_bias": {str(lead): 100}, "ignore_eos": True},
+    )  # fmt: skip
+    entries = resp.choices[0].logprobs.content
+    assert [e.bytes for e in entries] == [[0xE4], [0xE4]]
+
+
 def test_completions_batch_and_stream_agree(http, server):
     body = {"model": server[1], "prompt": ["Hello", "Hi"], "max_tokens": 12, "n": 2, "temperature": 0.8, "seed": 5}
     whole = http.post("/v1/completions", json=body).json()
@@ -226,6 +238,30 @@ def test_sampling_knobs_are_accepted(client, server):
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 5, "ignore_eos": True},
     )
     assert resp.usage.completion_tokens == 5 or resp.choices[0].finish_reason == "stop"
+
+
+def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_it(http, checkpoint):
+    from kestrel.tokenizer import load_tokenizer
+
+    prompt = [5, 17, 99, 3]
+    greedy = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    (top,) = http.post("/generate", json=greedy).json()["output_ids"]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    forced = load_tokenizer(checkpoint).encode("Q").ids[0]
+    out = http.post("/v1/completions", json=body | {"logit_bias": {str(forced): 100}}).json()["choices"][0]
+    assert out["text"] == "QQQQ"
+    banned = http.post("/v1/completions", json=body | {"logit_bias": {str(top): -100}}).json()["choices"][0]
+    # Logprobs are the model's own, so the first token lost its place to a less likely one.
+    assert banned["logprobs"]["token_logprobs"][0] < plain[0]
+
+
+def test_text_response_format_best_of_n_and_template_reasoning_effort_are_honoured(client, server):
+    kwargs = dict(model=server[1], messages=USER, max_tokens=1, n=2)
+    resp = client.chat.completions.create(**kwargs, response_format={"type": "text"}, extra_body={"best_of": 2})
+    assert len(resp.choices) == 2
+    high = _prompt_tokens(client, server[1], extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert high == _prompt_tokens(client, server[1], reasoning_effort="high") > _prompt_tokens(client, server[1])
 
 
 # -- chat template knobs and tools ---------------------------------------------------------------------------
@@ -329,7 +365,7 @@ def test_generate_returns_logprobs_and_routed_experts_of_the_row_that_sampled_ea
 
     prompt = [5, 17, 99, 3, 42, 7]
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0}, "return_logprob": True}
-    out = http.post("/generate", json=body).json()
+    out = http.post("/generate", json=body | {"return_routed_experts": True}).json()
     meta = out["meta_info"]
     assert len(out["output_ids"]) == meta["completion_tokens"] == 5 and meta["finish_reason"]["type"] == "length"
     assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
@@ -346,6 +382,59 @@ def test_generate_returns_logprobs_and_routed_experts_of_the_row_that_sampled_ea
     for k, per_layer in enumerate(meta["routed_experts"]):
         want = [sorted(batch.routed_experts[layer][len(prompt) - 1 + k].tolist()) for layer in moe_layers]
         assert [sorted(e) for e in per_layer] == want
+
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def test_generate_routed_experts_are_opt_in(http):
+    meta = http.post("/generate", json={"input_ids": [5, 17, 99], "sampling_params": GREEDY}).json()["meta_info"]
+    assert not any(k.startswith("routed_experts") for k in meta)
+
+
+def test_generate_input_token_logprobs_start_at_logprob_start_len(http):
+    prompt = [5, 17, 99, 3, 42, 7]
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 2}
+    whole = http.post("/generate", json=body | {"logprob_start_len": 0}).json()["meta_info"]
+    entries = whole["input_token_logprobs"]
+    assert [t for _, t, _ in entries] == prompt and entries[0] == [None, prompt[0], None]
+    assert all(lp <= 0 for lp, _, _ in entries[1:]) and whole["input_top_logprobs"][0] is None
+    assert all(len(top) == 2 for top in whole["input_top_logprobs"][1:])
+    tail = http.post("/generate", json=body | {"logprob_start_len": 2}).json()["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in tail] == prompt[2:]
+    assert [lp for lp, _, _ in tail] == pytest.approx([lp for lp, _, _ in entries[2:]], abs=1e-4)
+    assert "input_token_logprobs" not in http.post("/generate", json=body).json()["meta_info"]
+    assert_openai_error(http.post("/generate", json=body | {"logprob_start_len": 6}), 400, "logprob_start_len")
+    no_lp = {"input_ids": prompt, "logprob_start_len": 0}
+    assert_openai_error(http.post("/generate", json=no_lp), 400, "logprob_start_len")
+
+
+@pytest.mark.parametrize("key, batch", [("text", ["Hello", "Hi there"]), ("input_ids", [[5, 17, 99], [3, 42]])])
+def test_generate_batch_returns_one_result_per_prompt_in_order(http, key, batch):
+    out = http.post("/generate", json={key: batch, "sampling_params": GREEDY}).json()
+    singles = [http.post("/generate", json={key: p, "sampling_params": GREEDY}).json() for p in batch]
+    assert isinstance(out, list) and [r["output_ids"] for r in out] == [r["output_ids"] for r in singles]
+    assert [r["meta_info"]["prompt_tokens"] for r in out] == [r["meta_info"]["prompt_tokens"] for r in singles]
+    one = http.post("/generate", json={key: batch[:1], "sampling_params": GREEDY}).json()
+    assert isinstance(one, list) and len(one) == 1  # a batch of one is still a batch
+
+
+def test_generate_stream_sends_cumulative_text_then_done(http):
+    body = {"text": "Hello", "sampling_params": GREEDY, "return_logprob": True}
+    whole = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json=body | {"stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert len(chunks) > 1
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    last = chunks[-1]
+    assert last["text"] == whole["text"] and last["output_ids"] == whole["output_ids"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert len(last["meta_info"]["output_token_logprobs"]) == 6
 
 
 def test_abort_request_ends_a_running_generate(http):
@@ -452,6 +541,17 @@ UNKNOWN_CHOICE = {"type": "function", "function": {"name": "x"}}
         ({"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
         ({"messages": MSG, "tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, 400, "tool_choice"),
         ({"messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}, 400, "messages"),
+        ({"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+         "response_format"),
+        ({"messages": MSG, "best_of": 3}, 400, "best_of"),
+        ({"messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"five": 1}}, 400, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {str(10**6): 1}}, 400, "logit_bias"),
+        ({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}, 400,
+         "chat_template_kwargs.enable_thinking"),
+        ({"messages": MSG, "chat_template_kwargs": {"reasoning_effort": "extreme"}}, 400,
+         "chat_template_kwargs.reasoning_effort"),
     ],
 )  # fmt: skip
 def test_invalid_chat_requests_get_an_openai_error(http, body, status, param):
@@ -552,6 +652,8 @@ def test_oversized_body_is_413(http):
         ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "suffix": "bye"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "best_of": 2, "n": 1}, "best_of"),
         ("/generate", {"text": "a", "input_ids": [1]}, "input_ids"),
         ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
         ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),

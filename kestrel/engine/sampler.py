@@ -3,7 +3,7 @@
 Everything over the vocabulary is batched in torch; the only per-row Python loops gather
 parameters/token ids and draw randomness from per-request generators.
 
-Order (vLLM): logprobs from the raw fp32 logits -> min_tokens -> repetition penalty ->
+Order (vLLM): logprobs from the raw fp32 logits -> min_tokens -> logit_bias -> repetition penalty ->
 frequency/presence penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 
 Reproducibility: a seeded row draws exactly one Exp(1) vector of size V from its own generator per
@@ -102,6 +102,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(x, dim=-1)
 
         self._apply_min_tokens(x, rows)
+        _apply_logit_bias(x, rows)
         _apply_penalties(x, rows)
 
         token_ids = torch.empty(batch, dtype=torch.long, device=x.device)
@@ -177,6 +178,15 @@ class Sampler:
         # Exp(1) may round to 0; 0/0 would be NaN and win argmax.
         q_exp.clamp_min_(torch.finfo(q_exp.dtype).tiny)
         return (probs / q_exp).argmax(dim=-1)
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Add each row's OpenAI logit_bias to its logits (in place); ids past the vocabulary are the caller's error."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if biased:
+        row_idx, tok_idx = _flat_indices([(i, list(bias)) for i, bias in biased], x.device)
+        values = torch.tensor([v for _, bias in biased for v in bias.values()], dtype=x.dtype, device=x.device)
+        x.index_put_((row_idx, tok_idx), values, accumulate=True)
 
 
 def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -43,6 +43,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -52,6 +53,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.logit_bias = {} if self.logit_bias is None else dict(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -92,6 +94,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain only non-negative ints, got {t!r}")
+        for t, bias in self.logit_bias.items():
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (-100 <= bias <= 100):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {t}")
 
     @property
     def is_greedy(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
-from kestrel.chat_template import THINK_BEGIN, render_chat
+from kestrel.chat_template import REASONING_EFFORTS, THINK_BEGIN, render_chat
 from kestrel.engine.engine import RequestOutput
 from kestrel.server.async_engine import SeqDelta
 from kestrel.server.errors import APIError, error_body
@@ -35,6 +35,28 @@ from kestrel.server.tool_calls import ToolCallDelta, ToolCallParser, merge_tool_
 
 DEFAULT_REASONING_EFFORT = "max"
 MEDIA_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file"}  # the model reads text only
+# The template's only variable a client may set; the Kimi format has no on/off switch for thinking.
+TEMPLATE_KWARGS = ("reasoning_effort",)
+
+
+def template_reasoning_effort(req: ChatCompletionRequest) -> str:
+    """`reasoning_effort` from the body or from `chat_template_kwargs`; any other template kwarg is a 400."""
+    kwargs = req.chat_template_kwargs or {}
+    for key in kwargs:
+        if key not in TEMPLATE_KWARGS:
+            param = f"chat_template_kwargs.{key}"
+            raise APIError(
+                400, f"{param}: not a variable of this model's chat template (it knows {TEMPLATE_KWARGS})", param=param
+            )
+    effort = kwargs.get("reasoning_effort")
+    if effort is None:
+        return req.reasoning_effort or DEFAULT_REASONING_EFFORT
+    param = "chat_template_kwargs.reasoning_effort"
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"{param}: must be one of {REASONING_EFFORTS}, got {effort!r}", param=param)
+    if req.reasoning_effort is not None and req.reasoning_effort != effort:
+        raise APIError(400, f"{param}: {effort!r} contradicts reasoning_effort {req.reasoning_effort!r}", param=param)
+    return effort
 
 
 @dataclass
@@ -117,7 +139,7 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
             [m.to_template() for m in req.messages],
             tools=tools if use_tools else None,
             add_generation_prompt=True,
-            reasoning_effort=req.reasoning_effort or DEFAULT_REASONING_EFFORT,
+            reasoning_effort=template_reasoning_effort(req),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise APIError(400, f"messages: {exc}", param="messages") from None
@@ -141,7 +163,7 @@ def chat_logprobs(
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
         s = text_of(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": lp, "bytes": text_of.bytes(tid)}
 
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
@@ -168,6 +190,7 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
         renames,
     )
     ctx.check_context(len(ids), params.max_tokens, renames.get("max_tokens", "max_tokens"))
+    ctx.check_token_ids(list(params.logit_bias), "logit_bias")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, [rid], [ids], params, deltas=req.stream)
     try:

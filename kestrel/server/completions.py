@@ -60,10 +60,13 @@ async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: Se
     ctx.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo: not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix: not supported (this model has no fill-in-the-middle format)", param="suffix")
     prompts = await _prompts(req, ctx)
     longest = max(len(p) for p in prompts)
     params = make_params(lambda: req.sampling_params(req.max_tokens, ctx.max_new_tokens(longest), req.logprobs))
     ctx.check_context(longest, params.max_tokens, "max_tokens")
+    ctx.check_token_ids(list(params.logit_bias), "logit_bias")
     base = f"cmpl-{uuid.uuid4().hex}"
     rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     gen = Generation(ctx, rids, prompts, params, deltas=req.stream)

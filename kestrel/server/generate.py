@@ -9,15 +9,17 @@ them for the rows that score the completion (`routed_experts_start_position` say
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
 from kestrel.engine.engine import CompletionOutput
-from kestrel.server.errors import APIError
+from kestrel.server.async_engine import SeqDelta, StreamEvent
+from kestrel.server.errors import APIError, error_body
 from kestrel.server.protocol import AbortRequest, GenerateRequest
-from kestrel.server.serving import Generation, ServingContext, event_error, make_params
+from kestrel.server.serving import SSE_DONE, Generation, ServingContext, SSEResponse, event_error, make_params, sse
 
 _RENAMES = {
     "max_tokens": "sampling_params.max_new_tokens",
@@ -29,71 +31,168 @@ _FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "f
 _RENAMES |= {f: f"sampling_params.{f}" for f in (*_FIELDS, "repetition_penalty", "stop", "stop_token_ids")}
 
 
-async def _prompt(req: GenerateRequest, ctx: ServingContext) -> list[int]:
+async def _prompts(req: GenerateRequest, ctx: ServingContext) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids, and whether the request was a batch (which answers with a list)."""
     if (req.text is None) == (req.input_ids is None):
         raise APIError(400, "exactly one of `text` and `input_ids` is required", param="input_ids")
     if req.text is not None:
-        ids = await ctx.encode(req.text, "text")
-        param = "text"
+        batch, param = isinstance(req.text, list), "text"
+        prompts = [await ctx.encode(t, param) for t in (req.text if batch else [req.text])]
     else:
-        ids, param = list(req.input_ids), "input_ids"
-        ctx.check_token_ids(ids, param)
-    ctx.check_prompt_len(len(ids), param)
-    return ids
+        batch, param = bool(req.input_ids) and isinstance(req.input_ids[0], list), "input_ids"
+        prompts = [list(p) for p in (req.input_ids if batch else [req.input_ids])]
+        for ids in prompts:
+            ctx.check_token_ids(ids, param)
+    for ids in prompts:
+        ctx.check_prompt_len(len(ids), param)
+    return prompts, batch
 
 
-def _finish(comp: CompletionOutput) -> dict[str, Any] | None:
-    if comp.finish_reason is None:
+def _request_ids(req: GenerateRequest, num: int, batch: bool) -> list[str]:
+    if req.rid is None:
+        return [uuid.uuid4().hex for _ in range(num)]
+    rids = req.rid if isinstance(req.rid, list) else [req.rid]
+    if isinstance(req.rid, list) != batch or len(rids) != num or len(set(rids)) != num:
+        raise APIError(400, f"rid: needs one distinct rid per prompt ({num}), a list for a batch", param="rid")
+    return rids
+
+
+def _check_logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int | None:
+    """`prompt_logprobs` for the engine, or None when no input-token logprobs were asked for."""
+    start = req.logprob_start_len
+    if start == -1:
         return None
-    if comp.finish_reason == "length":
-        return {"type": "length", "length": len(comp.token_ids)}
-    return {"type": comp.finish_reason}
+    if not req.return_logprob:
+        raise APIError(400, "logprob_start_len: requires return_logprob to be true", param="logprob_start_len")
+    shortest = min(len(p) for p in prompts)
+    if not 0 <= start < shortest:
+        raise APIError(
+            400, f"logprob_start_len: must be -1 or in [0, {shortest}), got {start}", param="logprob_start_len"
+        )
+    return req.top_logprobs_num
 
 
-async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContext) -> JSONResponse:
-    if req.stream:
-        raise APIError(400, "stream: not supported by /generate", param="stream")
-    ids = await _prompt(req, ctx)
+def _finish(reason: str | None, num_tokens: int) -> dict[str, Any] | None:
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": num_tokens}
+    return {"type": reason}
+
+
+@dataclass
+class _Seq:
+    """One sequence's output so far: the streamed deltas add up to it; the final output replaces it."""
+
+    rid: str
+    prompt: list[int]
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    routed: list[dict[int, list[int]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    final: CompletionOutput | None = None
+    prompt_logprobs: list | None = None
+
+    def add(self, d: SeqDelta) -> None:
+        self.text += d.text
+        self.output_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        self.top_logprobs += d.top_logprobs or []
+        self.routed += d.routed_experts or []
+        self.finish_reason = d.finish_reason or self.finish_reason
+
+    def finish(self, comp: CompletionOutput, prompt_logprobs: list | None) -> None:
+        self.final, self.prompt_logprobs = comp, prompt_logprobs
+        self.text, self.output_ids, self.finish_reason = comp.text, comp.token_ids, comp.finish_reason
+        self.logprobs, self.top_logprobs = comp.logprobs or [], comp.top_logprobs or []
+
+    def result(self, req: GenerateRequest) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": _finish(self.finish_reason, len(self.output_ids)),
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": len(self.output_ids),
+        }
+        if self.final is not None:
+            meta["cached_tokens"] = self.final.cached_tokens
+            meta["cached_tokens_by_tier"] = self.final.cached_tokens_by_tier
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+            meta["output_top_logprobs"] = [[[v, t, None] for t, v in top or []] for top in self.top_logprobs]
+        if self.prompt_logprobs is not None:
+            # SGLang's layout: one entry per input position from logprob_start_len; position 0 has no logprob.
+            entries = self.prompt_logprobs[req.logprob_start_len :]
+            first = req.logprob_start_len
+            meta["input_token_logprobs"] = [
+                [None if e is None else e.logprob, self.prompt[first + i], None] for i, e in enumerate(entries)
+            ]
+            meta["input_top_logprobs"] = [None if e is None else [[v, t, None] for t, v in e.top] for e in entries]
+        if req.return_routed_experts:
+            layers = sorted(self.routed[0]) if self.routed else []
+            meta["routed_experts_layers"] = layers
+            meta["routed_experts_start_position"] = len(self.prompt) - 1
+            meta["routed_experts"] = [[e[layer] for layer in layers] for e in self.routed]
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
+
+
+async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContext):
+    prompts, batch = await _prompts(req, ctx)
+    prompt_logprobs = _check_logprob_start(req, prompts)
     logprobs = req.top_logprobs_num if req.return_logprob else None
-    params = make_params(lambda: req.sampling_params.to_params(ctx.max_new_tokens(len(ids)), logprobs), _RENAMES)
-    ctx.check_context(len(ids), params.max_tokens, _RENAMES["max_tokens"])
-    rid = req.rid or uuid.uuid4().hex
+    longest = max(len(p) for p in prompts)
+    params = make_params(
+        lambda: req.sampling_params.to_params(ctx.max_new_tokens(longest), logprobs, prompt_logprobs), _RENAMES
+    )
+    ctx.check_context(longest, params.max_tokens, _RENAMES["max_tokens"])
+    rids = _request_ids(req, len(prompts), batch)
+    n = params.n
+    seqs = {(p, i): _Seq(rid, ids) for p, (rid, ids) in enumerate(zip(rids, prompts)) for i in range(n)}
     # Deltas carry the routed experts (the final output does not), so collect them as they come.
     want = req.return_routed_experts
-    gen = Generation(ctx, [rid], [ids], params, deltas=want, routed_experts=want)
-    routed: dict[int, list[dict[int, list[int]]]] = {}
+    gen = Generation(ctx, rids, prompts, params, deltas=req.stream or want, routed_experts=want)
+    if req.stream:
+        return SSEResponse(_stream(req, gen, seqs, n, many=len(seqs) > 1), gen)
     try:
         while not gen.finished:
             event = await gen.next(client)
             err = event_error(event)
             if err is not None:
                 raise err
-            for d in event.deltas:
-                routed.setdefault(d.index, []).extend(d.routed_experts or [])
-            output = event.output
+            _apply(event, gen, seqs)
     finally:
         gen.close()
-    results = []
-    for comp in output.outputs:
-        meta: dict[str, Any] = {
-            "id": rid,
-            "finish_reason": _finish(comp),
-            "prompt_tokens": len(ids),
-            "completion_tokens": len(comp.token_ids),
-            "cached_tokens": comp.cached_tokens,
-            "cached_tokens_by_tier": comp.cached_tokens_by_tier,
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(comp.logprobs, comp.token_ids)]
-            meta["output_top_logprobs"] = [[[v, t, None] for t, v in top or []] for top in comp.top_logprobs]
-        if req.return_routed_experts:
-            entries = routed.get(comp.index, [])
-            layers = sorted(entries[0]) if entries else []
-            meta["routed_experts_layers"] = layers
-            meta["routed_experts_start_position"] = len(ids) - 1
-            meta["routed_experts"] = [[e[layer] for layer in layers] for e in entries]
-        results.append({"text": comp.text, "output_ids": comp.token_ids, "meta_info": meta})
-    return JSONResponse(results[0] if len(results) == 1 else results)
+    results = [s.result(req) for s in seqs.values()]
+    return JSONResponse(results if batch else results[0] if len(results) == 1 else results)
+
+
+def _apply(event: StreamEvent, gen: Generation, seqs: dict[tuple[int, int], _Seq]) -> list[tuple[int, int]]:
+    """Fold one event into the sequences; returns the keys of those that changed."""
+    p = gen.index[event.request_id]
+    changed = []
+    for d in event.deltas:
+        seqs[p, d.index].add(d)
+        changed.append((p, d.index))
+    if event.output is not None:
+        for comp in event.output.outputs:
+            seqs[p, comp.index].finish(comp, event.output.prompt_logprobs)
+            changed.append((p, comp.index))
+    return list(dict.fromkeys(changed))
+
+
+async def _stream(req: GenerateRequest, gen: Generation, seqs: dict[tuple[int, int], _Seq], n: int, many: bool):
+    """SGLang's stream: each chunk is one sequence's result so far (cumulative text), then `[DONE]`."""
+    while not gen.finished:
+        event = await gen.next()
+        err = event_error(event)
+        if err is not None:
+            yield sse(error_body(err.message, err.type, err.param, err.code))
+            break
+        for p, i in _apply(event, gen, seqs):
+            out = seqs[p, i].result(req)
+            yield sse(out | {"index": p * n + i} if many else out)
+    yield SSE_DONE
 
 
 async def abort_request(req: AbortRequest, ctx: ServingContext) -> JSONResponse:

@@ -106,6 +106,10 @@ class StreamOptions(_Body):
     include_usage: Bool = False
 
 
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class SamplingFields(_Body):
     """What chat and completions share: the model, sampling knobs, stopping, streaming."""
 
@@ -129,6 +133,9 @@ class SamplingFields(_Body):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Str | None = None
+    logit_bias: dict[str, Float] | None = None
+    best_of: Int | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -140,6 +147,13 @@ class SamplingFields(_Body):
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) or be absent: ranking candidates is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(
+                f"response_format {self.response_format.type!r} is not supported yet (structured output needs a "
+                "grammar backend); only 'text'"
+            )
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -160,8 +174,18 @@ class SamplingFields(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            logit_bias=self._logit_bias(),
             **{k: v for k, v in given.items() if v is not None},
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        # JSON object keys are strings; OpenAI's are token ids written in decimal.
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            bias[int(key)] = value
+        return bias
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -175,9 +199,11 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: (
         Annotated[Literal["minimal", "low", "medium", "high", "max"], AfterValidator(NEAREST_EFFORT.__getitem__)] | None
     ) = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
+    suffix: Str | None = None
     prompt: Str | TokenIds | Annotated[list[Str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: Int | None = None
     echo: Bool = False
@@ -211,7 +237,9 @@ class GenerateSampling(_Body):
     ignore_eos: Bool = False
     skip_special_tokens: Bool = True
 
-    def to_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_params(
+        self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         seed = self.sampling_seed
@@ -234,19 +262,25 @@ class GenerateSampling(_Body):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
-class GenerateRequest(_Body):
-    """SGLang's token-level `/generate` (RL rollouts): exactly one of `text` / `input_ids`."""
+Rid = Annotated[str, Strict(), Field(min_length=1, max_length=256)]
 
-    text: Str | None = None
-    input_ids: list[Int] | None = None
+
+class GenerateRequest(_Body):
+    """SGLang's token-level `/generate` (RL rollouts): exactly one of `text` / `input_ids`, each one prompt or a
+    batch (a list of texts, a list of id lists); a batch answers with a list of results."""
+
+    text: Str | Annotated[list[Str], Field(min_length=1)] | None = None
+    input_ids: list[Int] | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     return_logprob: Bool = False
     top_logprobs_num: Int = 0
-    return_routed_experts: Bool = True
-    rid: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
+    logprob_start_len: Int = -1  # -1: no input-token logprobs
+    return_routed_experts: Bool = False  # opt-in: a rollout that does not replay them should not pay for them
+    rid: Rid | list[Rid] | None = None
     stream: Bool = False
 
 

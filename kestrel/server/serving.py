@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+from tokenizers import decoders
 
 from kestrel.engine.engine import RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
@@ -208,12 +209,49 @@ def sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character a byte-level vocabulary writes for each byte → that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
+
+
+BYTE_LEVEL = _byte_level_table()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte tokens
+
+
 class TokenText:
-    """Token id → the text OpenAI's logprob entries show for it (memoised; decoding is per id)."""
+    """Token id → the text OpenAI's logprob entries show for it, and its raw bytes (memoised; per id)."""
 
     def __init__(self, tokenizer) -> None:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._added = set(tokenizer.get_added_tokens_decoder()) if tokenizer else set()
+        self._byte_level = tokenizer is not None and isinstance(tokenizer.decoder, decoders.ByteLevel)
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: a byte-level token that is part of a UTF-8 sequence decodes to U+FFFD alone."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = list(self._raw_bytes(token_id))
+            self._bytes[token_id] = raw
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id) if self._tok and token_id not in self._added else None
+        if piece is None:
+            return self(token_id).encode()
+        if self._byte_level and all(ch in BYTE_LEVEL for ch in piece):
+            return bytes(BYTE_LEVEL[ch] for ch in piece)
+        match = _BYTE_FALLBACK.match(piece)
+        return bytes([int(match.group(1), 16)]) if match else piece.replace("\u2581", " ").encode()
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
