@@ -786,3 +786,44 @@ def test_request_larger_than_running_slots_plus_queue_is_a_400_naming_the_field(
     r = httpx.post(guarded[0] + path, json=body, headers=AUTH, timeout=60)
     err = assert_openai_error(r, 400, param)
     assert "--max-queued-requests" in err["message"] and "retry-after" not in r.headers
+
+
+# -- shutdown ----------------------------------------------------------------------------------------------------------
+def test_graceful_shutdown_timeout_ends_inflight_requests_with_a_503_error_and_exit_0(checkpoint, tmp_path):
+    """Guards issue 12 #8: at the deadline a stream gets an error event and `[DONE]`, a non-streaming request a
+    JSON 503 (both aborted through the engine, not cancelled by uvicorn); no traceback, exit code 0."""
+    flags = ("--max-total-tokens", "16384", "--max-model-len", "8192", "--graceful-shutdown-timeout", "1")
+    proc, url, log = _serve(checkpoint, tmp_path, "serve", *flags)
+    long = {"messages": MSG, "max_tokens": 8000, "ignore_eos": True}
+    plain: list[httpx.Response] = []
+    try:
+        waiter = threading.Thread(
+            target=lambda: plain.append(httpx.post(url + "/v1/chat/completions", json=long, timeout=60))
+        )
+        waiter.start()
+        deadline = time.monotonic() + 10
+        with httpx.Client(base_url=url) as probe:
+            while metrics(probe).get("kestrel_num_running_requests", 0) < 1:
+                assert time.monotonic() < deadline, "the non-streaming request did not start"
+                time.sleep(0.02)
+        lines = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=long | {"stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 3:
+                    proc.send_signal(signal.SIGINT)  # once: a second SIGINT means "force quit" to uvicorn
+        waiter.join(30)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    err = json.loads(lines[-2][6:])["error"]
+    assert "shutting down" in err["message"] and err["type"] == "overloaded_error", err
+    (resp,) = plain
+    assert_openai_error(resp, 503)
+    assert "shutting down" in resp.json()["error"]["message"]
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text and "Cancel " not in text, text

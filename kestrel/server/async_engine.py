@@ -208,6 +208,13 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         return True
 
+    def abort_all(self, message: str, status: int = 503) -> None:
+        """Refuse new requests and end every live one with an error event (`message`, `status`): how a shutdown
+        whose grace period ran out lets each response finish well instead of being cancelled mid-write."""
+        self._stopping = True
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("abort_all", message, status))
+
     def _forget(self, events: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
         for q, event in events:
             if event.done:
@@ -231,6 +238,8 @@ class AsyncEngine:
                     if isinstance(cmd, _Add):
                         added += cmd.params.n
                         self._add(cmd, out)
+                    elif cmd[0] == "abort_all":
+                        self._abort_all(out, cmd[1], status=cmd[2])
                     else:
                         self._abort(cmd[1], out)
                 if engine.has_unfinished:
