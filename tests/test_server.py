@@ -819,3 +819,113 @@ def test_sigint_with_write_back_flushes_the_disk_tier_and_a_restart_hits_it(chec
         if proc.poll() is None:
             proc.kill()
     assert "Traceback" not in log.read_text()
+
+
+# -- the queue cap admits a request as a whole (issue 12 #9) ---------------------------------------------------------
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _with_running(url: str, count: int, probe):
+    """Run `probe(client)` while `count` long /generate requests hold running slots of the guarded server."""
+    rids = [f"hold{i}" for i in range(count)]
+    sampling = {"max_new_tokens": 900, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as ac:
+            bodies = [{"input_ids": [1, 2], "rid": rid, "sampling_params": sampling} for rid in rids]
+            held = [asyncio.create_task(ac.post("/generate", json=b)) for b in bodies]
+            deadline = time.monotonic() + 10
+            while (await ac.get("/metrics")).text.count(f"kestrel_num_running_requests {count}.0") == 0:
+                assert time.monotonic() < deadline, "the long requests did not start"
+                await asyncio.sleep(0.02)
+            try:
+                return await probe(ac)
+            finally:
+                for rid in rids:
+                    await ac.post("/abort_request", json={"rid": rid})
+                await asyncio.gather(*held)
+
+    return asyncio.run(main())
+
+
+def test_queue_cap_admits_a_batch_as_a_whole_and_refuses_it_only_while_full(guarded):
+    url, name = guarded
+    body = {"model": name, "prompt": ["a", "b", "c"], "max_tokens": 1}  # 2 running slots + 1 queued: fits
+    ok = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"]) == 3
+
+    async def probe(ac):
+        return await ac.post("/v1/completions", json=body)
+
+    busy = _with_running(url, 1, probe)  # one slot taken: two of the three prompts would queue
+    assert_openai_error(busy, 503)
+    assert busy.headers["retry-after"]
+
+
+def test_queue_cap_counts_every_choice_of_n(guarded):
+    url, name = guarded
+
+    async def probe(ac):
+        return await ac.post("/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 1, "n": 2})
+
+    refused = _with_running(url, 2, probe)  # both slots taken: n=2 would queue 2 sequences, the cap is 1
+    assert_openai_error(refused, 503)
+    assert refused.headers["retry-after"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 1, "n": 5}, "n"),
+        ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 1, "n": 4}, "n"),
+    ],
+)
+def test_request_larger_than_running_slots_plus_queue_is_a_400_naming_the_field(guarded, path, body, param):
+    """2 running slots + at most 1 queued: 4 or more sequences can never be admitted, so retrying is pointless."""
+    r = httpx.post(guarded[0] + path, json=body, headers=AUTH, timeout=60)
+    err = assert_openai_error(r, 400, param)
+    assert "--max-queued-requests" in err["message"] and "retry-after" not in r.headers
+
+
+# -- shutdown ----------------------------------------------------------------------------------------------------------
+def test_graceful_shutdown_timeout_ends_inflight_requests_with_a_503_error_and_exit_0(checkpoint, tmp_path):
+    """Guards issue 12 #8: at the deadline a stream gets an error event and `[DONE]`, a non-streaming request a
+    JSON 503 (both aborted through the engine, not cancelled by uvicorn); no traceback, exit code 0."""
+    flags = ("--max-total-tokens", "16384", "--max-model-len", "8192", "--graceful-shutdown-timeout", "1")
+    proc, url, log = _serve(checkpoint, tmp_path, "serve", *flags)
+    long = {"messages": MSG, "max_tokens": 8000, "ignore_eos": True}
+    plain: list[httpx.Response] = []
+    try:
+        waiter = threading.Thread(
+            target=lambda: plain.append(httpx.post(url + "/v1/chat/completions", json=long, timeout=60))
+        )
+        waiter.start()
+        deadline = time.monotonic() + 10
+        with httpx.Client(base_url=url) as probe:
+            while metrics(probe).get("kestrel_num_running_requests", 0) < 1:
+                assert time.monotonic() < deadline, "the non-streaming request did not start"
+                time.sleep(0.02)
+        lines = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=long | {"stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 3:
+                    proc.send_signal(signal.SIGINT)  # once: a second SIGINT means "force quit" to uvicorn
+        waiter.join(30)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    err = json.loads(lines[-2][6:])["error"]
+    assert "shutting down" in err["message"] and err["type"] == "overloaded_error", err
+    (resp,) = plain
+    assert_openai_error(resp, 503)
+    assert "shutting down" in resp.json()["error"]["message"]
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text and "Cancel " not in text, text

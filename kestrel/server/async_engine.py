@@ -59,6 +59,14 @@ class QueueFull(Exception):
     """More requests are queued than --max-queued-requests allows."""
 
 
+class NeverFits(Exception):
+    """A request has more sequences than the running slots and the queue hold together, even on an idle server."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class EngineStopped(Exception):
     """The engine thread has stopped; no more requests are accepted."""
 
@@ -145,6 +153,31 @@ class AsyncEngine:
             return max(self._stats["waiting"] + self._unadmitted - free, 0)
 
     # -- requests (loop thread) ----------------------------------------------------------------------------
+    def admit(self, num_prompts: int, n: int) -> None:
+        """Check that a request of `num_prompts` × `n` sequences may be submitted now, as a whole.
+
+        Its sequences take the free running slots first; the rest count against --max-queued-requests. Call it
+        right before the request's `submit`s, with no `await` between, so that no other request slips in.
+        """
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        cap = self.max_queued_requests
+        if cap is None:
+            return
+        total, room = num_prompts * n, self.max_running_requests + cap
+        if total > room:
+            param = "prompt" if num_prompts > room else "n"
+            raise NeverFits(
+                f"{param}: {num_prompts} prompt(s) × n={n} is {total} sequences, but at most {room} can be admitted "
+                f"at once ({self.max_running_requests} running + {cap} queued, see --max-queued-requests)",
+                param,
+            )
+        with self._lock:
+            free = max(self.max_running_requests - self._stats["running"], 0)
+            queued_after = max(self._stats["waiting"] + self._unadmitted + total - free, 0)
+        if queued_after > cap:
+            raise QueueFull(f"{self.num_queued()} of at most {cap} sequences are already queued")
+
     def submit(
         self,
         prompt_ids: list[int],
@@ -155,11 +188,10 @@ class AsyncEngine:
         routed_experts: bool = False,
         events: asyncio.Queue | None = None,
     ) -> RequestStream:
-        """Queue a request; its events arrive on `events` (a fresh queue unless one is shared)."""
+        """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
+        queue unless one is shared)."""
         if not self.alive:
             raise EngineStopped("the engine is not running")
-        if self.max_queued_requests is not None and self.num_queued() >= self.max_queued_requests:
-            raise QueueFull(f"{self.max_queued_requests} requests are already queued")
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, len(prompt_ids), events if events is not None else asyncio.Queue())
@@ -175,6 +207,13 @@ class AsyncEngine:
             return False
         self._inbox.put(("abort", request_id))
         return True
+
+    def abort_all(self, message: str, status: int = 503) -> None:
+        """Refuse new requests and end every live one with an error event (`message`, `status`): how a shutdown
+        whose grace period ran out lets each response finish well instead of being cancelled mid-write."""
+        self._stopping = True
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("abort_all", message, status))
 
     def _forget(self, events: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
         for q, event in events:
@@ -199,6 +238,8 @@ class AsyncEngine:
                     if isinstance(cmd, _Add):
                         added += cmd.params.n
                         self._add(cmd, out)
+                    elif cmd[0] == "abort_all":
+                        self._abort_all(out, cmd[1], status=cmd[2])
                     else:
                         self._abort(cmd[1], out)
                 if engine.has_unfinished:

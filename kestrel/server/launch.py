@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -21,6 +22,8 @@ from kestrel.server.metrics import ServerMetrics
 from kestrel.server.openai_api import build_app
 
 log = logging.getLogger(__name__)
+
+ABORT_GRACE_S = 5.0  # after the deadline's abort, how long responses get to send their error before uvicorn cancels
 
 
 def default_model_name(model: str | None) -> str:
@@ -77,9 +80,27 @@ def make_server(engine_config: EngineConfig, config: ServerConfig) -> uvicorn.Se
         host=config.host,
         port=config.port,
         log_level=logging.getLevelName(min(logging.getLogger("kestrel").getEffectiveLevel(), logging.INFO)).lower(),
-        timeout_graceful_shutdown=config.graceful_shutdown_timeout,
+        timeout_graceful_shutdown=config.graceful_shutdown_timeout + ABORT_GRACE_S,
     )
-    return uvicorn.Server(uv)
+    return _Server(uv, async_engine, config.graceful_shutdown_timeout)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but when the graceful-shutdown timeout runs out, in-flight requests are aborted through the engine
+    (pages and slots freed) so that each response ends with a 503 error: uvicorn alone would cancel the handlers
+    mid-response, leaving streams without an error or `[DONE]`. uvicorn's own, later timeout stays as a backstop."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, timeout: float) -> None:
+        super().__init__(config)
+        self._engine, self._timeout = engine, timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self._timeout, self._engine.abort_all, "the server is shutting down", 503)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
 
 class _Terminated(Exception):

@@ -16,7 +16,7 @@ from tokenizers import decoders
 
 from kestrel.engine.engine import RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.server.async_engine import AsyncEngine, EngineStopped, QueueFull, StreamEvent
+from kestrel.server.async_engine import AsyncEngine, EngineStopped, NeverFits, QueueFull, StreamEvent
 from kestrel.server.errors import APIError, ClientDisconnected
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -122,12 +122,15 @@ class Generation:
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.pending: set[str] = set()
         try:
+            self.engine.admit(len(prompts), params.n)
             for rid, ids in zip(request_ids, prompts):
                 self.engine.submit(ids, params, rid, deltas=deltas, routed_experts=routed_experts, events=self.queue)
                 self.pending.add(rid)
         except QueueFull as exc:
             self.close()
             raise APIError(503, f"server busy: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except NeverFits as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
         except EngineStopped as exc:
             self.close()
             raise APIError(503, str(exc)) from None
