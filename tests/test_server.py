@@ -929,3 +929,80 @@ def test_graceful_shutdown_timeout_ends_inflight_requests_with_a_503_error_and_e
     assert "shutting down" in resp.json()["error"]["message"]
     text = log.read_text()
     assert "Traceback" not in text and "CancelledError" not in text and "Cancel " not in text, text
+
+
+# -- SGLang's worker API ---------------------------------------------------------------------------------------
+def test_get_model_info_has_sglangs_fields_and_names_the_checkpoint(http, checkpoint):
+    info = http.get("/get_model_info").json()
+    assert info == {
+        "model_path": checkpoint,
+        "tokenizer_path": checkpoint,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+    }
+
+
+def test_get_server_info_lists_engine_and_server_args_version_and_internal_states(http, checkpoint):
+    info = http.get("/get_server_info").json()
+    assert info["model"] == info["model_path"] == checkpoint and info["page_size"] == 16
+    assert info["max_model_len"] == MAX_MODEL_LEN and info["max_request_bytes"] == MAX_BODY
+    assert info["version"] == "0.1.0" and info["api_key"] is None
+    (state,) = info["internal_states"]
+    assert state["max_total_num_tokens"] == 16384 and state["pages_total"] == 16384 // 16
+    assert {"running", "waiting", "pages_used", "num_queued_reqs"} <= set(state)
+
+
+def _cached_tokens(http: httpx.Client, ids: list[int]) -> int:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+    return http.post("/generate", json=body).json()["meta_info"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+def test_flush_cache_empties_the_prefix_cache(http, method):
+    ids = [7 + (i * 13 + len(method)) % 200 for i in range(48)]
+    _cached_tokens(http, ids)
+    assert _cached_tokens(http, ids) >= 32
+    wait_idle(http)
+    r = http.request(method, "/flush_cache")
+    assert r.status_code == 200 and "flushed" in r.text.lower()
+    state = http.get("/get_server_info").json()["internal_states"][0]
+    assert state["prefix_cache_pages"] == 0 and state["prefix_cache_checkpoints"] == 0
+    assert _cached_tokens(http, ids) == 0
+
+
+def test_flush_cache_is_refused_while_a_request_runs(http):
+    body = {"input_ids": [4, 5, 6], "rid": "flush-busy", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(http.post("/generate", json=body).json()))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while http.get("/get_server_info").json()["internal_states"][0]["running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert_openai_error(http.post("/flush_cache"), 400)
+    finally:
+        http.post("/abort_request", json={"rid": "flush-busy"})
+        worker.join(30)
+    assert result["meta_info"]["finish_reason"] == {"type": "abort"}
+    wait_idle(http)
+    assert http.post("/flush_cache").status_code == 200
+
+
+def test_health_generate_runs_one_token_through_the_engine(http):
+    before = metrics(http).get("kestrel_generation_tokens_total", 0.0)
+    assert http.get("/health_generate").status_code == 200
+    assert metrics(http)["kestrel_generation_tokens_total"] == before + 1
+
+
+def test_api_key_guards_the_sglang_worker_api(guarded):
+    url, _ = guarded
+    paths = [("GET", "/get_model_info"), ("GET", "/get_server_info"), ("POST", "/flush_cache")]
+    paths += [("GET", "/flush_cache"), ("GET", "/health_generate")]
+    for method, path in paths:
+        assert_openai_error(httpx.request(method, url + path), 401)
+        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        assert r.status_code == 200, (path, r.text)
+    info = httpx.get(url + "/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert info["api_key"] == "<hidden>" and info["max_running_requests"] == 2

@@ -113,6 +113,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.max_running_requests = engine.config.max_running_requests
+        self.engine_config = engine.config
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._live: set[str] = set()  # loop thread only: ids submitted and not yet finished
@@ -215,6 +216,15 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(("abort_all", message, status))
 
+    async def flush_cache(self) -> bool:
+        """Empty the prefix cache's memory tiers (device and host; disk files stay) on the engine thread. False, and
+        nothing flushed, while any request is running or waiting: their pages are locked in the tree."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("flush_cache", done))
+        return await done
+
     def _forget(self, events: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
         for q, event in events:
             if event.done:
@@ -240,6 +250,8 @@ class AsyncEngine:
                         self._add(cmd, out)
                     elif cmd[0] == "abort_all":
                         self._abort_all(out, cmd[1], status=cmd[2])
+                    elif cmd[0] == "flush_cache":
+                        self._flush_cache(cmd[1])
                     else:
                         self._abort(cmd[1], out)
                 if engine.has_unfinished:
@@ -280,6 +292,13 @@ class AsyncEngine:
         reqs = self._engine.requests(rid)
         n = len(reqs)
         self._tracks[rid] = _Track(cmd, reqs, [0] * n, [0] * n, [cmd.arrival] * n, [False] * n)
+
+    def _flush_cache(self, done: asyncio.Future) -> None:
+        idle = not self._engine.has_unfinished and not self._tracks
+        if idle:
+            self._engine.cache.clear()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(idle))
 
     def _abort(self, rid: str, out: list) -> None:
         track = self._tracks.get(rid)

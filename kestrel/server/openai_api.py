@@ -23,6 +23,7 @@ from kestrel.server.errors import error_body, install_error_handlers
 from kestrel.server.generate import abort_request, generate
 from kestrel.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kestrel.server.serving import ServingContext
+from kestrel.server.sglang_api import add_sglang_routes
 
 log = logging.getLogger(__name__)
 
@@ -150,5 +151,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     async def abort(body: AbortRequest) -> Response:
         return await abort_request(body, ctx)
 
+    add_sglang_routes(app, ctx, config)
     app.state.serving = ctx
     return app
