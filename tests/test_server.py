@@ -1006,3 +1006,21 @@ def test_api_key_guards_the_sglang_worker_api(guarded):
         assert r.status_code == 200, (path, r.text)
     info = httpx.get(url + "/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert info["api_key"] == "<hidden>" and info["max_running_requests"] == 2
+
+
+def test_health_generate_and_flush_cache_are_503_when_the_engine_is_not_alive(checkpoint):
+    from types import SimpleNamespace
+
+    from kestrel.server.async_engine import AsyncEngine
+    from kestrel.server.errors import APIError
+    from kestrel.server.sglang_api import flush_cache, health_generate
+
+    class Stopped(AsyncEngine):
+        def __init__(self) -> None:
+            self._thread = None  # never started: `alive` is False
+
+    ctx = SimpleNamespace(engine=Stopped())
+    for call in (health_generate(ctx, None), flush_cache(ctx)):
+        with pytest.raises(APIError) as err:
+            asyncio.run(call)
+        assert err.value.status == 503
