@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
 from kestrel.engine.sampler import Sampler, SamplerOutput, SamplingRow, prompt_logprobs
@@ -140,6 +142,8 @@ class Engine:
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
         self._groups: dict[str, list[Request]] = {}
+        self._grammar: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
         log.info(
             "capacity: %d KV tokens (%d pages of %d), %d KDA state slots, max model len %d, device %s",
             num_pages * config.page_size,
@@ -175,6 +179,17 @@ class Engine:
         if tokens < config.page_size:
             raise ValueError(f"KV pool too small: {tokens} tokens (max_total_tokens / mem_fraction)")
         return -(-tokens // config.page_size)
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-output compiler, built on first use; thread-safe, so HTTP handlers compile off the engine
+        thread and hand the engine compiled grammars (`SamplingParams.grammar`)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("response_format: this model has no tokenizer, so no grammar can be compiled")
+                self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            return self._grammar
 
     # -- requests --------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -219,6 +234,7 @@ class Engine:
                 )
             req = Request(request_id, ids, sub, arrival=next(self._arrivals))
             req.generator = self.sampler.make_generator(sub, self.device)
+            req.matcher = GrammarMatcher(sub.grammar) if sub.grammar is not None else None
             req.routed_experts = [] if return_routed_experts else None
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(
@@ -253,7 +269,9 @@ class Engine:
             logits, _ = self.runner.execute(plan)
             self._record_prompt_logprobs(plan, logits.prompt)
             rows = [
-                SamplingRow(c.request.params, c.request.prompt_ids, c.request.output_ids, c.request.generator)
+                SamplingRow(
+                    c.request.params, c.request.prompt_ids, c.request.output_ids, c.request.generator, c.request.matcher
+                )
                 for c in plan.chunks
                 if c.samples
             ]
@@ -294,6 +312,10 @@ class Engine:
             req.output_text += req.detokenizer.push(token)
             if req.detokenizer.stopped:
                 return "stop"
+        # The grammar ends the request once it is complete (it accepted eos); it rejects a token only when the
+        # other rules (min_tokens, logit_bias) left its row nothing it allows, and then it cannot go on.
+        if req.matcher is not None and (not req.matcher.accept_token(token) or req.matcher.is_terminated()):
+            return "stop"
         if len(req.output_ids) >= params.min_tokens:
             if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
                 return "stop"

@@ -52,6 +52,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    matcher: Any = None  # xgrammar GrammarMatcher for params.grammar: it has accepted exactly output_ids
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     logprobs: list[float] = field(default_factory=list)

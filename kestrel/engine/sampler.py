@@ -4,7 +4,8 @@ Everything over the vocabulary is batched in torch; the only per-row Python loop
 parameters/token ids and draw randomness from per-request generators.
 
 Order (vLLM): logprobs from the raw fp32 logits -> min_tokens -> logit_bias -> repetition penalty ->
-frequency/presence penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+frequency/presence penalties -> grammar mask (structured output) -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> sample.
 
 Reproducibility: a seeded row draws exactly one Exp(1) vector of size V from its own generator per
 (non-greedy) step and samples with the exponential race argmax(p / q), which is equivalent to sampling
@@ -14,10 +15,11 @@ from p. So its tokens do not depend on which other rows share the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from kestrel.engine.grammar import apply_grammar_masks
 from kestrel.engine.sampling_params import SamplingParams
 
 
@@ -30,6 +32,8 @@ class SamplingRow:
     output_ids: list[int]
     # Per-request generator (see Sampler.make_generator); None = use the sampler's shared generator.
     generator: torch.Generator | None = None
+    # xgrammar GrammarMatcher of a request with a grammar: tokens it rejects next are banned.
+    matcher: Any = None
 
 
 @dataclass
@@ -104,6 +108,7 @@ class Sampler:
         self._apply_min_tokens(x, rows)
         _apply_logit_bias(x, rows)
         _apply_penalties(x, rows)
+        apply_grammar_masks(x, [r.matcher for r in rows])
 
         token_ids = torch.empty(batch, dtype=torch.long, device=x.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]

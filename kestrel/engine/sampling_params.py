@@ -7,6 +7,7 @@ re-check user input on the hot path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_EPS = 1e-5
@@ -44,6 +45,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
+    # Structured output: an xgrammar CompiledGrammar (`Engine.grammar.compile`, off the engine thread); the
+    # output is constrained to it and ends when it is complete. Immutable, so n sequences share it.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

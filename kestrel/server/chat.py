@@ -191,6 +191,7 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
     )
     ctx.check_context(len(ids), params.max_tokens, renames.get("max_tokens", "max_tokens"))
     ctx.check_token_ids(list(params.logit_bias), "logit_bias")
+    params.grammar = await ctx.compile_grammar(req.response_format)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, [rid], [ids], params, deltas=req.stream)
     try:

@@ -67,6 +67,7 @@ async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: Se
     params = make_params(lambda: req.sampling_params(req.max_tokens, ctx.max_new_tokens(longest), req.logprobs))
     ctx.check_context(longest, params.max_tokens, "max_tokens")
     ctx.check_token_ids(list(params.logit_bias), "logit_bias")
+    params.grammar = await ctx.compile_grammar(req.response_format)
     base = f"cmpl-{uuid.uuid4().hex}"
     rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     gen = Generation(ctx, rids, prompts, params, deltas=req.stream)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from kestrel.engine.sampling_params import SamplingParams
 
@@ -106,8 +106,24 @@ class StreamOptions(_Body):
     include_usage: Bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: Str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: Bool | None = None
+
+
 class ResponseFormat(_Body):
+    """OpenAI's structured output: `json_object` (any JSON object) or `json_schema` (JSON matching a schema)."""
+
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a `json_schema` object")
+        return self
 
 
 class SamplingFields(_Body):
@@ -149,11 +165,6 @@ class SamplingFields(_Body):
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}) or be absent: ranking candidates is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(
-                f"response_format {self.response_format.type!r} is not supported yet (structured output needs a "
-                "grammar backend); only 'text'"
-            )
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -15,9 +15,11 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import decoders
 
 from kestrel.engine.engine import RequestOutput
+from kestrel.engine.grammar import CompiledGrammar
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.server.async_engine import AsyncEngine, EngineStopped, NeverFits, QueueFull, StreamEvent
 from kestrel.server.errors import APIError, ClientDisconnected
+from kestrel.server.protocol import ResponseFormat
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 RETRY_AFTER_S = 1
@@ -73,6 +75,22 @@ class ServingContext:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         return self.engine.max_model_len - num_prompt_tokens
+
+    async def compile_grammar(self, fmt: ResponseFormat | None) -> CompiledGrammar | None:
+        """The grammar `response_format` asks for (None for text), compiled on a worker thread: a new schema takes
+        milliseconds to seconds, which the event loop and the engine thread must not wait for."""
+        if fmt is None or fmt.type == "text":
+            return None
+        spec = fmt.json_schema
+        schema = spec.schema_ if spec is not None and spec.schema_ is not None else {"type": "object"}
+        strict = spec is None or spec.strict is not False  # OpenAI's strict:false still gets valid JSON
+        # The compiler belongs to the engine (one per model, its cache shared by all requests); it only reads
+        # read-only engine facts, so any thread may use it.
+        backend = self.engine._engine
+        try:
+            return await asyncio.to_thread(lambda: backend.grammar.compile(fmt.type, schema, strict))
+        except ValueError as exc:
+            raise APIError(400, f"response_format: {exc}", param="response_format") from None
 
 
 def sampling_error(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:

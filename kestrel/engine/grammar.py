@@ -1,0 +1,68 @@
+"""Structured output with xgrammar: grammars compiled per request, one token mask per step for all rows.
+
+Compiling a grammar takes milliseconds to seconds, so the HTTP layer does it on a worker thread
+(`GrammarBackend.compile`) and hands the engine the compiled grammar inside `SamplingParams`; the engine
+gives each sequence its own `GrammarMatcher`, and the sampler masks every constrained row with one bitmask.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+CompiledGrammar = xgr.CompiledGrammar
+GrammarMatcher = xgr.GrammarMatcher
+COMPILER_CACHE_BYTES = 256 << 20  # compiled grammars kept for requests that repeat a schema
+# Longest run of whitespace between JSON tokens: unbounded, a weak model can indent forever (kestrel-mini did).
+MAX_WHITESPACE_RUN = 16
+
+
+def tokenizer_info(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of a `tokenizers.Tokenizer`, sized to the model's logits: ids the tokenizer lacks (padded
+    embedding rows) are never allowed, and tokenizer ids the model cannot emit are dropped."""
+    from transformers import PreTrainedTokenizerFast  # a dependency of xgrammar; only its vocabulary is read
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+
+
+class GrammarBackend:
+    """One compiler (and its cache) per engine; `compile` is thread-safe and meant for a worker thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, cache_limit_bytes=COMPILER_CACHE_BYTES)
+
+    def compile(self, kind: str, schema: dict[str, Any] | None = None, strict: bool = True) -> CompiledGrammar:
+        """`json_object`: any JSON object; `json_schema`: JSON matching `schema`. Raises ValueError if the schema
+        is not one xgrammar can compile."""
+        if kind == "json_object":
+            return self.compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=MAX_WHITESPACE_RUN)
+        if kind != "json_schema":
+            raise ValueError(f"no grammar for response_format type {kind!r}")
+        try:
+            return self.compiler.compile_json_schema(
+                json.dumps(schema), strict_mode=strict, max_whitespace_cnt=MAX_WHITESPACE_RUN
+            )
+        except RuntimeError as exc:
+            # xgrammar prefixes its C++ location ("[12:00:00] /project/cpp/...cc:42: "); keep the reason.
+            reason = str(exc).strip().rsplit(": ", 1)[-1] if ".cc:" in str(exc) else str(exc).strip()
+            raise ValueError(f"invalid JSON schema: {reason}") from None
+
+
+def apply_grammar_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
+    """Ban, in place, every token the row's matcher would reject next; rows without a matcher are untouched."""
+    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    if not rows:
+        return
+    # The bitmask spans the model's vocabulary (`tokenizer_info`), which is the logits' width.
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    for j, i in enumerate(rows):
+        matchers[i].fill_next_token_bitmask(bitmask, j)
+    # xgrammar's CPU kernel on a copy of just the constrained rows: on CUDA that is one small transfer each way.
+    sub = logits[rows].cpu()
+    xgr.apply_token_bitmask_inplace(sub, bitmask)
+    logits[rows] = sub.to(logits.device)
