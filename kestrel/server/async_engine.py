@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.engine.grammar import GrammarBackend
 from kestrel.engine.request import Request
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.server.metrics import ServerMetrics
@@ -138,6 +139,10 @@ class AsyncEngine:
             self._inbox.put(_STOP)
             await asyncio.to_thread(self._thread.join)
         self._engine.close()  # write_back: what only memory holds reaches the disk tier
+
+    def grammar(self) -> GrammarBackend:
+        """The engine's grammar compiler (thread-safe; it reads only fixed engine facts such as the vocabulary)."""
+        return self._engine.grammar
 
     @property
     def alive(self) -> bool:

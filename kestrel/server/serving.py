@@ -86,9 +86,9 @@ class ServingContext:
         strict = spec is None or spec.strict is not False  # OpenAI's strict:false still gets valid JSON
         # The compiler belongs to the engine (one per model, its cache shared by all requests); it only reads
         # read-only engine facts, so any thread may use it.
-        backend = self.engine._engine
+        engine = self.engine
         try:
-            return await asyncio.to_thread(lambda: backend.grammar.compile(fmt.type, schema, strict))
+            return await asyncio.to_thread(lambda: engine.grammar().compile(fmt.type, schema, strict))
         except ValueError as exc:
             raise APIError(400, f"response_format: {exc}", param="response_format") from None
 
