@@ -34,10 +34,9 @@ def byte_level_tokenizer() -> Tokenizer:
     return tok
 
 
-def _byte_of(ch: str) -> int:
-    """The byte that GPT-2's byte-to-unicode table maps to `ch`."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character a byte-level vocabulary writes for each byte → that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, n = {}, 0
     for b in range(256):
         if b in printable:
@@ -45,7 +44,15 @@ def _byte_of(ch: str) -> int:
         else:
             table[chr(256 + n)] = b
             n += 1
-    return table[ch]
+    return table
+
+
+BYTE_LEVEL = _byte_level_table()
+
+
+def _byte_of(ch: str) -> int:
+    """The byte that GPT-2's byte-to-unicode table maps to `ch`."""
+    return BYTE_LEVEL[ch]
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:

@@ -20,6 +20,7 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.server.async_engine import AsyncEngine, EngineStopped, NeverFits, QueueFull, StreamEvent
 from kestrel.server.errors import APIError, ClientDisconnected
 from kestrel.server.protocol import ResponseFormat
+from kestrel.tokenizer import BYTE_LEVEL
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 RETRY_AFTER_S = 1
@@ -230,20 +231,6 @@ def sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the character a byte-level vocabulary writes for each byte → that byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + n)] = b
-            n += 1
-    return table
-
-
-BYTE_LEVEL = _byte_level_table()
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte tokens
 
 
