@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: a wheel of 2.13.0 (CPU) is on disk; anything else downloads several GB.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,router]'
 	touch $(STAMP)
 
 lint: setup
