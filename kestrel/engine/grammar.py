@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 import xgrammar as xgr
+from xgrammar import structural_tag as st
+
+from kestrel.chat_template import CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, tool_call_id
 
 CompiledGrammar = xgr.CompiledGrammar
 GrammarMatcher = xgr.GrammarMatcher
@@ -48,9 +51,46 @@ class GrammarBackend:
                 json.dumps(schema), strict_mode=strict, max_whitespace_cnt=MAX_WHITESPACE_RUN
             )
         except RuntimeError as exc:
-            # xgrammar prefixes its C++ location ("[12:00:00] /project/cpp/...cc:42: "); keep the reason.
-            reason = str(exc).strip().rsplit(": ", 1)[-1] if ".cc:" in str(exc) else str(exc).strip()
-            raise ValueError(f"invalid JSON schema: {reason}") from None
+            raise ValueError(f"invalid JSON schema: {_reason(exc)}") from None
+
+    def compile_tool_calls(self, tools: list[dict[str, Any]], parallel: bool = True) -> CompiledGrammar:
+        """A Kimi K2 tool-call section (`kestrel.server.tool_calls`) and nothing else: one or more calls (exactly
+        one unless `parallel`) to the given tools, each with arguments matching its `parameters` schema. The
+        section markers are single tokens of the tokenizer, so the grammar takes them only as those tokens."""
+        calls = [
+            st.SequenceFormat(
+                elements=[
+                    st.TokenFormat(token=CALL_BEGIN),
+                    # The id is `functions.NAME:INDEX`; the index is free (the parser numbers calls itself).
+                    st.ConstStringFormat(value=tool_call_id(t["function"]["name"], 0)[:-1]),
+                    st.RegexFormat(pattern=r"[0-9]{1,3}"),
+                    st.TokenFormat(token=CALL_ARGS),
+                    st.JSONSchemaFormat(
+                        json_schema=t["function"].get("parameters") or {"type": "object"},
+                        max_whitespace_cnt=MAX_WHITESPACE_RUN,
+                    ),
+                    st.TokenFormat(token=CALL_END),
+                ]
+            )
+            for t in tools
+        ]
+        call = calls[0] if len(calls) == 1 else st.OrFormat(elements=calls)
+        section = st.SequenceFormat(
+            elements=[
+                st.TokenFormat(token=CALLS_BEGIN),
+                st.PlusFormat(content=call) if parallel else call,
+                st.TokenFormat(token=CALLS_END),
+            ]
+        )
+        try:
+            return self.compiler.compile_structural_tag(st.StructuralTag(format=section))
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"invalid parameters schema: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    # xgrammar prefixes its C++ location ("[12:00:00] /project/cpp/...cc:42: "); keep the reason.
+    return str(exc).strip().rsplit(": ", 1)[-1] if ".cc:" in str(exc) else str(exc).strip()
 
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:

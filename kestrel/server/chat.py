@@ -114,12 +114,19 @@ class ChatPlan:
     parse_reasoning: bool
     parse_tools: bool
     think_open: bool
+    # tool_choice "required" or a named function: the output is constrained to calls to these tools.
+    forced_tools: list[dict[str, Any]] | None = None
 
 
 def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
     """Validate content parts and tools / tool_choice, and render the prompt."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    names = {t["function"]["name"] for t in tools}
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        if (name := tool["function"]["name"]) in names:
+            param = f"tools[{i}].function.name"
+            raise APIError(400, f"{param}: duplicate function name {name!r}", param=param)
+        names.add(name)
     choice = req.tool_choice
     if choice is not None and choice != "none" and not tools:
         raise APIError(400, "tool_choice: needs a non-empty `tools` list", param="tool_choice")
@@ -134,6 +141,14 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
                 param = f"messages[{i}].content[{j}]"
                 raise APIError(400, f"{param}: {kind} input is not supported by this model", param=param)
     use_tools = bool(tools) and choice != "none"
+    forced = None
+    if use_tools and choice == "required":
+        forced = tools
+    elif use_tools and choice is not None and not isinstance(choice, str):
+        forced = [t for t in tools if t["function"]["name"] == choice.function.name]
+    if forced is not None and req.response_format is not None and req.response_format.type != "text":
+        msg = "response_format: cannot be combined with a required or named tool_choice"
+        raise APIError(400, msg, param="response_format")
     try:
         prompt = render_chat(
             [m.to_template() for m in req.messages],
@@ -148,6 +163,7 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         parse_reasoning=ctx.reasoning_parser is not None,
         parse_tools=use_tools and ctx.tool_call_parser is not None,
         think_open=prompt.endswith(THINK_BEGIN),
+        forced_tools=forced,
     )
 
 
@@ -191,7 +207,12 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
     )
     ctx.check_context(len(ids), params.max_tokens, renames.get("max_tokens", "max_tokens"))
     ctx.check_token_ids(list(params.logit_bias), "logit_bias")
-    params.grammar = await ctx.compile_grammar(req.response_format)
+    if plan.forced_tools is not None:
+        # A named function gets exactly one call; "required" one or more unless parallel_tool_calls is false.
+        parallel = req.tool_choice == "required" and req.parallel_tool_calls is not False
+        params.grammar = await ctx.compile_tool_grammar(plan.forced_tools, parallel)
+    else:
+        params.grammar = await ctx.compile_grammar(req.response_format)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, [rid], [ids], params, deltas=req.stream)
     try:

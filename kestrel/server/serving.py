@@ -93,6 +93,14 @@ class ServingContext:
         except ValueError as exc:
             raise APIError(400, f"response_format: {exc}", param="response_format") from None
 
+    async def compile_tool_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> CompiledGrammar:
+        """The grammar a forced `tool_choice` asks for: a tool-call section calling only `tools`."""
+        engine = self.engine
+        try:
+            return await asyncio.to_thread(lambda: engine.grammar().compile_tool_calls(tools, parallel))
+        except ValueError as exc:
+            raise APIError(400, f"tools: {exc}", param="tools") from None
+
 
 def sampling_error(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:
     """`SamplingParams`' ValueError ("top_p must be in (0, 1], got 2") → 400 whose param is the field it names."""
