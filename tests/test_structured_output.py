@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 from server_harness import running_server
 
@@ -20,6 +21,15 @@ PERSON = {
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
     },
     "required": ["name", "age"],
+}
+CLOSED_RECORD = {
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": -5, "maximum": 99},
+    },
+    "required": ["word", "count"],
+    "additionalProperties": False,
 }
 PROMPTS = ["What is 15% of 240?", "Describe a cat.", "Give me a person."]
 QUOTE, CLOSE = 4, 95  # byte-level ids of '"' and '}' in kestrel-mini's tokenizer
@@ -49,6 +59,19 @@ def test_json_schema_output_has_the_required_keys_with_their_types(engine):
         assert set(obj) == {"name", "age"}  # strict: no other keys
         assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
         assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 150
+
+
+def test_fifty_json_schema_answers_in_one_batch_parse_and_validate(engine):
+    # Issue 12's acceptance check: 50 answers, greedy and sampled, each one a complete JSON value of the schema.
+    grammar = engine.grammar.compile("json_schema", CLOSED_RECORD)
+    topics = ["a cat", "the sea", "15% of 240", "a person", "rain", "numbers", "a city", "music", "bread", "time"]
+    prompts = [f"Answer in JSON about {t}." for t in topics] * 5
+    # Greedy for the first ten, sampled for the rest; 128 tokens leaves room for the whitespace runs the grammar allows.
+    temps = [0.0] * 10 + [1.0] * 40
+    params = [SamplingParams(max_tokens=128, temperature=t, seed=i, grammar=grammar) for i, t in enumerate(temps)]
+    for out in run(engine, prompts, params):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), CLOSED_RECORD)
 
 
 def test_json_object_output_parses(engine):
