@@ -1,4 +1,5 @@
-"""`tool_choice`: "required" and a named function are enforced by a grammar; bad tools / tool_choice are 400s."""
+"""`tool_choice`: "required" and a named function are enforced by a grammar, "none" bans the tool-call markers;
+bad tools / tool_choice are 400s."""
 
 from __future__ import annotations
 
@@ -153,3 +154,45 @@ def test_tool_call_grammar_takes_markers_as_single_tokens_and_only_declared_name
     assert accepts(named, section(time)) and not accepts(named, section(time + time))
     # The section marker as characters, not as its token, is rejected.
     assert not xgr.GrammarMatcher(named).accept_token(tok.encode("<", add_special_tokens=False).ids[0])
+
+
+MARKERS = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+WEATHER_PROMPT = "What is the weather in Beijing?"
+
+
+def section_begin_id() -> int:
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    import kestrel
+
+    tok = Tokenizer.from_file(str(Path(kestrel.__file__).parent / "assets" / "kestrel-mini" / "tokenizer.json"))
+    return tok.token_to_id(MARKERS[0])
+
+
+def assert_plain_content(resp: httpx.Response) -> None:
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert not choice["message"].get("tool_calls") and choice["finish_reason"] != "tool_calls", choice
+    content = choice["message"]["content"] or ""
+    assert not any(m in content for m in MARKERS) and "tool_calls_section" not in content, content
+
+
+def test_auto_tool_choice_calls_get_weather_for_the_weather_prompt(http):
+    # The premise of the "none" tests below: unconstrained, kestrel-mini does call the tool here.
+    assert [name for name, _ in calls_of(chat(http, WEATHER_PROMPT, tools=[WEATHER], tool_choice="auto"))] == [
+        "get_weather"
+    ]
+
+
+@pytest.mark.parametrize("body", [{"tools": [WEATHER], "tool_choice": "none"}, {}, {"tool_choice": "none"}])
+def test_tool_call_markup_never_reaches_content_when_tools_are_not_allowed(http, body):
+    assert_plain_content(chat(http, WEATHER_PROMPT, **body))
+
+
+def test_tool_marker_ban_overrides_a_client_logit_bias(http):
+    # +100 would make greedy decoding pick the section-begin token at once; the ban wins over the client's bias.
+    bias = {str(section_begin_id()): 100}
+    assert_plain_content(chat(http, WEATHER_PROMPT, tools=[WEATHER], tool_choice="none", logit_bias=bias))
+    assert_plain_content(chat(http, WEATHER_PROMPT, logit_bias=bias))

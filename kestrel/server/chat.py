@@ -14,7 +14,16 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
-from kestrel.chat_template import REASONING_EFFORTS, THINK_BEGIN, render_chat
+from kestrel.chat_template import (
+    CALL_ARGS,
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    REASONING_EFFORTS,
+    THINK_BEGIN,
+    render_chat,
+)
 from kestrel.engine.engine import RequestOutput
 from kestrel.server.async_engine import SeqDelta
 from kestrel.server.errors import APIError, error_body
@@ -37,6 +46,8 @@ DEFAULT_REASONING_EFFORT = "max"
 MEDIA_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file"}  # the model reads text only
 # The template's only variable a client may set; the Kimi format has no on/off switch for thinking.
 TEMPLATE_KWARGS = ("reasoning_effort",)
+TOOL_MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_ARGS, CALL_END)
+BANNED_BIAS = -100.0  # OpenAI's floor: the token is never sampled
 
 
 def template_reasoning_effort(req: ChatCompletionRequest) -> str:
@@ -114,6 +125,8 @@ class ChatPlan:
     parse_reasoning: bool
     parse_tools: bool
     think_open: bool
+    # False for tool_choice "none" or no tools: the tool-call markers are banned so none leak into `content`.
+    tools_allowed: bool = True
     # tool_choice "required" or a named function: the output is constrained to calls to these tools.
     forced_tools: list[dict[str, Any]] | None = None
 
@@ -163,8 +176,16 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         parse_reasoning=ctx.reasoning_parser is not None,
         parse_tools=use_tools and ctx.tool_call_parser is not None,
         think_open=prompt.endswith(THINK_BEGIN),
+        tools_allowed=use_tools,
         forced_tools=forced,
     )
+
+
+def tool_marker_bans(ctx: ServingContext) -> dict[int, float]:
+    """A logit_bias that bans the tool-call marker tokens (those the tokenizer has as single tokens)."""
+    tok = ctx.engine.tokenizer
+    ids = [tok.token_to_id(m) for m in TOOL_MARKERS] if tok is not None else []
+    return {t: BANNED_BIAS for t in ids if t is not None}
 
 
 def finish_reason(engine_reason: str | None, num_calls: int) -> str | None:
@@ -207,6 +228,8 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
     )
     ctx.check_context(len(ids), params.max_tokens, renames.get("max_tokens", "max_tokens"))
     ctx.check_token_ids(list(params.logit_bias), "logit_bias")
+    if not plan.tools_allowed:
+        params.logit_bias |= tool_marker_bans(ctx)
     if plan.forced_tools is not None:
         # A named function gets exactly one call; "required" one or more unless parallel_tool_calls is false.
         parallel = req.tool_choice == "required" and req.parallel_tool_calls is not False
