@@ -129,7 +129,8 @@ def test_round_robin_router_reaches_both_workers(workers):
 
 
 def test_router_keeps_answering_after_a_worker_is_killed(workers, tmp_path):
-    """SIGKILL one of two workers: the router retries on the survivor, and its health check drops the dead one."""
+    """SIGKILL one of two workers: the router retries on the survivor, its health check drops the dead one, and
+    the survivor leaks no pages or state slots."""
     _, urls = workers
     fast = ("--retry-max-retries", "3", "--retry-initial-backoff-ms", "50", "--retry-max-backoff-ms", "200")
     fast += ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
@@ -144,5 +145,8 @@ def test_router_keeps_answering_after_a_worker_is_killed(workers, tmp_path):
             for i in range(6):
                 statuses.append(_chat(router, [{"role": "user", "content": f"After {i}."}]).status_code)
             survivor_served = _finished(urls[0]) - before
+            # Idle again: every page and state slot the survivor used is free or held by its prefix cache.
+            stats = httpx.get(urls[0] + "/get_server_info", timeout=10).json()["internal_states"][0]
     assert statuses == [200] * 6, statuses
     assert survivor_served == 6, survivor_served
+    assert stats["running"] == stats["waiting"] == 0 and stats["pages_used"] == 0 and stats["slots_used"] == 0
