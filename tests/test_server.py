@@ -802,22 +802,27 @@ def test_sigint_with_write_back_flushes_the_disk_tier_and_a_restart_hits_it(chec
         for _ in range(2):
             assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 200
         assert not list(store.rglob("*.page"))  # write_back: nothing on disk before shutdown
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "Traceback" not in log.read_text()
+        _stop_cleanly(proc, signal.SIGINT, log)
     assert list(store.rglob("*.page")) and list(store.rglob("*.state"))
     proc, url, log = _serve(checkpoint, tmp_path, "second", *flags)
     try:
         out = httpx.post(url + "/generate", json=body, timeout=60).json()
         assert out["meta_info"]["cached_tokens_by_tier"]["disk"] > 0, out["meta_info"]
-        proc.send_signal(signal.SIGTERM)
+    finally:
+        _stop_cleanly(proc, signal.SIGTERM, log)
+
+
+def _stop_cleanly(proc: subprocess.Popen, sig: int, log: Path) -> None:
+    """Signal a `_serve` server once; it must exit 0 with no traceback (killed, and failing, if it hangs)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     assert "Traceback" not in log.read_text()
 
 
