@@ -9,7 +9,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (
     recurrent_kimi_delta_attention,
 )
 
-from kestrel.models.layers.kda_ops import kda_chunked, kda_recurrent, kda_step, l2_normalize
+from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_recurrent, kda_step, l2_normalize
 
 ATOL = 1e-5
 
@@ -132,6 +132,35 @@ def test_split_sequence_carries_state(fn) -> None:
     o2, s2 = fn(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=s1)
     assert max_diff(torch.cat([o1, o2], dim=1), o_full) < ATOL
     assert max_diff(s2, s_full) < ATOL
+
+
+def test_packed_varlen_matches_each_sequence_alone() -> None:
+    """Sequences packed end to end (each on its own chunk boundary, segments cut mid-sequence, an empty trailing
+    segment) give every sequence's outputs and segment-end states as if it ran alone from its own state."""
+    C = 16
+    seqs = [make_inputs(B=1, T=T, seed=s) for s, T in enumerate([37, 5, 64, 20])]
+    cuts = [[0, 9, 37], [0, 5, 5], [0, 64], [0, 16, 20]]  # segment bounds per sequence ([0, 5, 5]: empty segment)
+    rows, chunk_at, first, ends, want_o, want_s = [], 0, [], [], [], []
+    for x, bounds in zip(seqs, cuts):
+        first.append(chunk_at // C)
+        q, k, v, g, beta = prepped(x)
+        state = x["state"]
+        for a, b in zip(bounds, bounds[1:]):
+            o, state = kda_recurrent(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=state)
+            want_o.append(o[0])
+            want_s.append(state[0])
+            rows.extend(range(chunk_at, chunk_at + b - a))
+            chunk_at += -(-(b - a) // C) * C
+            ends.append(chunk_at // C - 1)
+
+    def packed(name: str) -> torch.Tensor:
+        flat = torch.cat([dict(zip("qkvgb", prepped(x)))[name][0] for x in seqs])
+        return flat.new_zeros(chunk_at, *flat.shape[1:]).index_copy(0, torch.tensor(rows), flat)
+
+    inits = torch.cat([x["state"] for x in seqs])
+    o, states = kda_chunked_packed(*(packed(n) for n in "qkvgb"), inits, first, ends, chunk_size=C)
+    assert max_diff(o[torch.tensor(rows)], torch.cat(want_o)) < ATOL
+    assert max_diff(states, torch.stack(want_s)) < ATOL
 
 
 def test_low_precision_inputs_compute_in_fp32() -> None:

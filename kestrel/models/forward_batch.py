@@ -66,6 +66,30 @@ class PrefillPhase:
 
 
 @dataclass
+class PackedPrefill:
+    """Where the prefill sequences' tokens go in the two varlen layouts KDA uses, built once per batch.
+
+    Conv layout: per sequence, its `keep` cached conv inputs then its new tokens (no padding), so one depthwise
+    conv over the whole run is each sequence's own causal conv. Chunk layout: every segment (a sequence's prefill
+    cut at its snapshot offsets) starts on a chunk boundary and is zero-padded to whole chunks, so the chunked
+    kernel needs no padding to the longest sequence. Row tensors index the prefill tokens in batch order.
+    """
+
+    seqs: list[int]  # the prefill sequences (batch order)
+    conv_len: int
+    conv_token_rows: torch.Tensor  # [Tp] conv-layout row of each prefill token
+    conv_history_rows: torch.Tensor  # [len(seqs) * keep] conv-layout rows of the cached conv inputs
+    conv_state_rows: torch.Tensor  # [segments, keep] conv-layout rows whose inputs are the state after a segment
+    chunk_len: int
+    chunk_rows: torch.Tensor  # [Tp] chunk-layout row of each prefill token
+    first_chunks: list[int]  # per sequence: its first chunk
+    segment_end_chunks: list[int]  # per segment: the chunk holding its last token
+    segment_seq: list[int]  # per segment: position of its sequence in `seqs`
+    segment_snapshot: list[int | None]  # per segment: index into state_snapshots[seq], or None for the last one
+    max_segment: int
+
+
+@dataclass
 class ForwardBatch:
     """Flat tokens of several sequences plus where each one starts; see module docstring."""
 
@@ -84,6 +108,7 @@ class ForwardBatch:
     _starts: list[int] = field(default_factory=list, repr=False)
     _leading_single: int = field(default=0, repr=False)
     _phases: list[PrefillPhase] | None = field(default=None, repr=False)
+    _packed: dict[tuple[int, int], PackedPrefill] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.extend_lens) != len(self.prefix_lens):
@@ -123,10 +148,7 @@ class ForwardBatch:
         """The prefill sequences' segments, grouped into padded calls (computed once per batch, shared by layers)."""
         if self._phases is None:
             self._phases = []
-            bounds = {}
-            for seq in range(self.num_decode, self.num_seqs):
-                snaps = self.state_snapshots[seq] if self.state_snapshots else []
-                bounds[seq] = [0, *snaps, self.extend_lens[seq]]
+            bounds = {seq: self.prefill_bounds(seq) for seq in range(self.num_decode, self.num_seqs)}
             for p in range(max((len(b) - 1 for b in bounds.values()), default=0)):
                 seqs = [seq for seq, b in bounds.items() if len(b) > p + 1]
                 starts = [bounds[seq][p] for seq in seqs]
@@ -140,6 +162,53 @@ class ForwardBatch:
                 rows_t = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
                 self._phases.append(PrefillPhase(seqs, starts, lens, rows_t, snapshot))
         return self._phases
+
+    def prefill_bounds(self, seq: int) -> list[int]:
+        """Segment boundaries of a prefill sequence's new tokens: 0, its snapshot offsets, extend_len."""
+        snaps = self.state_snapshots[seq] if self.state_snapshots else []
+        return [0, *snaps, self.extend_lens[seq]]
+
+    def packed_prefill(self, chunk_size: int, keep: int) -> PackedPrefill:
+        """The varlen layouts of the prefill sequences (computed once per batch and layout, shared by layers)."""
+        key = (chunk_size, keep)
+        if key not in self._packed:
+            seqs = list(range(self.num_decode, self.num_seqs))
+            conv_tok, conv_hist, conv_state, chunk_rows = [], [], [], []
+            first_chunks, seg_end, seg_seq, seg_snap = [], [], [], []
+            conv_at = chunk_at = max_segment = 0
+            for i, seq in enumerate(seqs):
+                n = self.extend_lens[seq]
+                conv_hist.extend(range(conv_at, conv_at + keep))
+                conv_tok.extend(range(conv_at + keep, conv_at + keep + n))
+                first_chunks.append(chunk_at // chunk_size)
+                bounds = self.prefill_bounds(seq)
+                for p, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                    if b < a or b == 0:  # an empty segment after another one is fine: its state is that one's
+                        raise ValueError(f"state_snapshots[{seq}] must be sorted offsets in [1, extend_len]")
+                    chunk_rows.extend(range(chunk_at, chunk_at + b - a))
+                    chunk_at += -(-(b - a) // chunk_size) * chunk_size
+                    seg_end.append(chunk_at // chunk_size - 1)
+                    conv_state.append(list(range(conv_at + b, conv_at + b + keep)))
+                    seg_seq.append(i)
+                    seg_snap.append(p if p + 2 < len(bounds) else None)
+                    max_segment = max(max_segment, b - a)
+                conv_at += keep + n
+            as_rows = lambda rows: torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+            self._packed[key] = PackedPrefill(
+                seqs=seqs,
+                conv_len=conv_at,
+                conv_token_rows=as_rows(conv_tok),
+                conv_history_rows=as_rows(conv_hist),
+                conv_state_rows=as_rows(conv_state).view(len(conv_state), keep),
+                chunk_len=chunk_at,
+                chunk_rows=as_rows(chunk_rows),
+                first_chunks=first_chunks,
+                segment_end_chunks=seg_end,
+                segment_seq=seg_seq,
+                segment_snapshot=seg_snap,
+                max_segment=max_segment,
+            )
+        return self._packed[key]
 
     def seq_slice(self, seq: int) -> slice:
         start = self._starts[seq]

@@ -115,13 +115,17 @@ def _intra_chunk_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> to
     nl = C // leaf
     P = x.new_zeros(*lead, n, C, C)
 
-    # Leaves on the diagonal: [.., nl, i, j, K] decay, masked before exp.
-    Gl = G.reshape(*lead, nl, leaf, K)
-    upper = torch.ones(leaf, leaf, dtype=torch.bool, device=x.device).triu(1)
-    decay = (Gl.unsqueeze(-2) - Gl.unsqueeze(-3)).masked_fill(upper[:, :, None], float("-inf")).exp()
-    leaves = (x.reshape(*lead, n, nl, leaf, 1, K) * (k.reshape(*lead, nl, 1, leaf, K) * decay).unsqueeze(-5)).sum(-1)
-    # Write the blocks into P's block diagonal (a fresh buffer with disjoint writes: autograd-safe).
-    torch.diagonal(P.view(*lead, n, nl, leaf, nl, leaf), dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
+    if leaf == 1:  # the diagonal itself: exp(G_i - G_i) = 1 exactly
+        torch.diagonal(P, dim1=-2, dim2=-1).copy_((x * k.unsqueeze(-3)).sum(-1))
+    else:  # leaves on the diagonal: [.., nl, i, j, K] decay, masked before exp
+        Gl = G.reshape(*lead, nl, leaf, K)
+        upper = torch.ones(leaf, leaf, dtype=torch.bool, device=x.device).triu(1)
+        decay = (Gl.unsqueeze(-2) - Gl.unsqueeze(-3)).masked_fill(upper[:, :, None], float("-inf")).exp()
+        leaves = (x.reshape(*lead, n, nl, leaf, 1, K) * (k.reshape(*lead, nl, 1, leaf, K) * decay).unsqueeze(-5)).sum(
+            -1
+        )
+        # Write the blocks into P's block diagonal (a fresh buffer with disjoint writes: autograd-safe).
+        torch.diagonal(P.view(*lead, n, nl, leaf, nl, leaf), dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
 
     s = leaf
     while s < C:  # merge pairs of size-s blocks into size-2s blocks: fill the lower-left s x s quadrant
@@ -174,35 +178,95 @@ def kda_chunked(
         x = F.pad(x.to(dt), (0, 0, 0, 0, 0, pad))
         return x.reshape(B, Nc, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()  # contiguous: cheap matmuls
 
-    q, k, v, g = (to_chunks(x) for x in (q, k, v, g))
-    beta = to_chunks(beta.unsqueeze(-1))  # [B, H, Nc, C, 1]
-    G = g.cumsum(dim=-2)  # in-chunk cumulative log-decay, <= 0 and non-increasing
-    G_last = G[..., -1:, :]  # [B, H, Nc, 1, K]
-
-    # Intra-chunk pairwise scores for k (-> A) and q (-> P) in one pass.
-    scores = _intra_chunk_scores(torch.stack([k, q], dim=-3), k, G)  # [B, H, Nc, 2, C, C]
-    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
-    eye = torch.eye(C, dtype=dt, device=k.device)
-    A = beta * scores[..., 0, :, :] * strict  # rows scaled by beta_i, strictly lower
-    P = scores[..., 1, :, :]  # lower incl. diagonal
-
-    # WY/UT: one unit-lower-triangular solve for every chunk (replaces the row-by-row forward substitution).
-    rhs = torch.cat([beta * v, beta * k * G.exp()], dim=-1)  # [.., C, V + K]
-    Y = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)  # [U0 | W]
-
-    Kd_T = (k * (G_last - G).exp()).transpose(-1, -2)  # [.., K, C]
-    KdY = Kd_T @ Y  # [Kd^T U0 | Kd^T W]
-    N_ = KdY[..., :Vd]  # [.., K, V]
-    M = torch.diag_embed(G_last.squeeze(-2).exp()) - KdY[..., Vd:]  # [.., K, K]
-
+    terms = _ChunkTerms(*(to_chunks(x) for x in (q, k, v, g, beta.unsqueeze(-1))))
     # The only sequential part: S_{n+1} = M_n S_n + N_n. Keep the chunk-start states for the batched output pass.
     starts = []
     for n in range(Nc):
         starts.append(state)
-        state = M[:, :, n] @ state + N_[:, :, n]
-    S0 = torch.stack(starts, dim=2)  # [B, H, Nc, K, V]
+        state = terms.M[:, :, n] @ state + terms.N[:, :, n]
+    o = terms.outputs(torch.stack(starts, dim=2))  # [B, H, Nc, C, V]
+    return o.permute(0, 2, 3, 1, 4).reshape(B, Nc * C, H, Vd)[:, :T], state
 
-    PY = P @ Y  # [P U0 | P W]
-    o = PY[..., :Vd] + (q * G.exp() - PY[..., Vd:]) @ S0  # [B, H, Nc, C, V]
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, Nc * C, H, Vd)[:, :T]
-    return o, state
+
+def kda_chunked_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_states: torch.Tensor,
+    first_chunks: list[int],
+    segment_ends: list[int],
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_chunked` over several sequences packed end to end (varlen): no padding to the longest sequence.
+
+    q, k, g: [P, H, K]; v: [P, H, V]; beta: [P, H], with P a multiple of chunk_size and every sequence starting on a
+    chunk boundary (a sequence's last chunk is zero-padded: k = 0, β = 0, g = 0 leave the state unchanged).
+    initial_states: [S, H, K, V], sequence s starting at chunk first_chunks[s] (increasing). segment_ends: sorted
+    chunk indices after which the running state is wanted, repeats allowed (segments of one sequence follow each
+    other, so a state snapshot mid-sequence is just a segment end). Returns (o [P, H, V], states
+    [len(segment_ends), H, K, V]).
+    """
+    P, H, K = k.shape
+    Vd = v.shape[-1]
+    dt = _compute_dtype(q, k, v, g, beta)
+    C = chunk_size
+    if P % C:
+        raise ValueError(f"packed length {P} is not a multiple of chunk_size {C}")
+    Nc = P // C
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [P, H, D] -> [1, H, Nc, C, D]
+        return x.to(dt).reshape(Nc, C, H, x.shape[-1]).permute(2, 0, 1, 3).unsqueeze(0).contiguous()
+
+    terms = _ChunkTerms(*(to_chunks(x) for x in (q, k, v, g, beta.unsqueeze(-1))))
+    M, N_ = terms.M[0], terms.N[0]  # [H, Nc, K, K], [H, Nc, K, V]
+    inits = initial_states.to(dt)
+    begins = dict(zip(first_chunks, range(len(first_chunks))))
+    wanted = set(segment_ends)
+    starts, ends, state = [], {}, inits[0]
+    for n in range(Nc):
+        if n in begins:
+            state = inits[begins[n]]
+        starts.append(state)
+        state = M[:, n] @ state + N_[:, n]
+        if n in wanted:
+            ends[n] = state
+    o = terms.outputs(torch.stack(starts, dim=1).unsqueeze(0))  # [1, H, Nc, C, V]
+    return o[0].permute(1, 2, 0, 3).reshape(P, H, Vd), torch.stack([ends[n] for n in segment_ends])
+
+
+class _ChunkTerms:
+    """Everything of the chunked form that does not depend on the chunk-start states, for all chunks at once.
+
+    Inputs are chunked [B, H, Nc, C, D] in the compute dtype (beta with D = 1). Exposes the affine recurrence
+    S' = M S + N and `outputs(S0)` for the chunk-start states S0 [B, H, Nc, K, V].
+    """
+
+    def __init__(self, q, k, v, g, beta) -> None:
+        C, Vd, dt = k.shape[-2], v.shape[-1], k.dtype
+        G = g.cumsum(dim=-2)  # in-chunk cumulative log-decay, <= 0 and non-increasing
+        G_last = G[..., -1:, :]  # [B, H, Nc, 1, K]
+        eG = G.exp()
+
+        # Intra-chunk pairwise scores for k (-> A) and q (-> P) in one pass.
+        scores = _intra_chunk_scores(torch.stack([k, q], dim=-3), k, G)  # [B, H, Nc, 2, C, C]
+        strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
+        eye = torch.eye(C, dtype=dt, device=k.device)
+        A = beta * scores[..., 0, :, :] * strict  # rows scaled by beta_i, strictly lower
+        self.P = scores[..., 1, :, :]  # lower incl. diagonal
+
+        # WY/UT: one unit-lower-triangular solve for every chunk (replaces the row-by-row forward substitution).
+        rhs = torch.cat([beta * v, beta * k * eG], dim=-1)  # [.., C, V + K]
+        self.Y = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)  # [U0 | W]
+
+        Kd_T = (k * (G_last - G).exp()).transpose(-1, -2)  # [.., K, C]
+        KdY = Kd_T @ self.Y  # [Kd^T U0 | Kd^T W]
+        self.N = KdY[..., :Vd]  # [.., K, V]
+        self.M = torch.diag_embed(G_last.squeeze(-2).exp()) - KdY[..., Vd:]  # [.., K, K]
+        self.qG, self.Vd = q * eG, Vd
+
+    def outputs(self, S0: torch.Tensor) -> torch.Tensor:
+        """o = P U0 + (exp(G) * Q - P W) S0 per chunk: [B, H, Nc, C, V]."""
+        PY = self.P @ self.Y  # [P U0 | P W]
+        return PY[..., : self.Vd] + (self.qG - PY[..., self.Vd :]) @ S0
