@@ -30,7 +30,9 @@ def minifloat_values(exp_bits: int, man_bits: int, bias: int, reserved: set[int]
         if code in reserved:
             continue
         e, m = code >> man_bits, code & ((1 << man_bits) - 1)
-        out[code] = (m / (1 << man_bits)) * 2.0 ** (1 - bias) if e == 0 else (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+        out[code] = (
+            (m / (1 << man_bits)) * 2.0 ** (1 - bias) if e == 0 else (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+        )
     return out
 
 
