@@ -80,6 +80,25 @@ def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return (values * e8m0_decode(scales)[..., None]).reshape(*scales.shape[:-1], -1)
 
 
+def mxfp4_dequantize_blocks(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Hugging Face `*_blocks` [..., G, 16] + `*_scales` [..., G] → [..., G·32] in `dtype` (one byte-pair table
+    lookup per byte, then the power-of-two scale)."""
+    pairs = _byte_pairs(blocks.device)[blocks.long()]  # [..., G, 16, 2]
+    values = pairs.reshape(*scales.shape, MXFP4_BLOCK) * e8m0_decode(scales)[..., None]
+    return values.reshape(*scales.shape[:-1], -1).to(dtype)
+
+
+_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2]: the two e2m1 values of every byte, low nibble first."""
+    if device not in _PAIRS:
+        codes = torch.arange(256, dtype=torch.uint8, device=device)
+        _PAIRS[device] = e2m1_decode(unpack_nibbles(codes[:, None]))
+    return _PAIRS[device]
+
+
 # -- NVFP4 -----------------------------------------------------------------------------------------------
 
 
