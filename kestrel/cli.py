@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from kestrel.engine.config import EngineConfig
+from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 from kestrel.server.args import add_server_args
 
 
@@ -168,7 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.train.evaluate import eval_arithmetic, eval_tools
 
-    llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64)
+    llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype)
     scores = eval_arithmetic(llm, args.n) if args.task == "arithmetic" else eval_tools(llm, args.n)
     for name, value in scores.items():
         print(f"{args.task}/{name}: {value:.3f}")
@@ -294,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("model", nargs="?", default=None)
     ev.add_argument("--task", required=True, choices=["arithmetic", "tools"])
     ev.add_argument("-n", type=int, default=200)
+    ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")
     ev.set_defaults(func=cmd_eval)
     return parser
 

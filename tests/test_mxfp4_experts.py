@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from kestrel import LLM, SamplingParams
+from kestrel.cli import main
 from kestrel.config import ConfigError, model_config_from_dict
 from kestrel.models.checkpoint import make_model, with_mxfp4_experts
 from kestrel.models.layers.moe import Experts, expert_segments
@@ -124,3 +125,21 @@ def test_conversion_keeps_every_non_expert_tensor(tiny_checkpoints):
     for name, tensor in packed_state.items():
         if not name.endswith(("_blocks", "_scales")):
             assert torch.equal(tensor, dense_state[name]), name
+
+
+def test_make_model_cli_writes_and_converts_mxfp4_checkpoints(tiny_checkpoints, tmp_path, capsys):
+    assert (
+        main(["make-model", "--family", "deepseek_v32", "--out", str(tmp_path / "r"), "--weight-format", "mxfp4"]) == 0
+    )
+    assert "resident in MXFP4" in capsys.readouterr().out
+    src = tiny_checkpoints["kimi_k3"]
+    assert main(["make-model", "--from", str(src), "--out", str(tmp_path / "c"), "--weight-format", "mxfp4"]) == 0
+    converted, cfg = load_model(tmp_path / "c")
+    dense, _ = load_model(src)
+    assert cfg.routed_expert_format == "mxfp4"
+    packed = next(m for m in converted.modules() if isinstance(m, MXFP4Experts))
+    original = next(m for m in dense.modules() if isinstance(m, Experts))
+    for dequantized, weight in zip(packed.dense(), (original.gate_up_proj, original.down_proj)):
+        blocks, scales = mxfp4_quantize(weight.detach())  # Kestrel's quantizer on the source weights
+        assert torch.equal(dequantized, hf_dequantize(blocks.view(*scales.shape, 16), scales))
+    assert main(["make-model", "--out", str(tmp_path / "x")]) == 2  # neither --family nor --from
