@@ -15,7 +15,7 @@ from kestrel.config import ConfigError, model_config_from_dict
 from kestrel.models.checkpoint import make_model, with_mxfp4_experts
 from kestrel.models.layers.moe import Experts, expert_segments
 from kestrel.models.layers.moe_mxfp4 import MXFP4Experts, expert_bytes, mxfp4_expert_segments
-from kestrel.models.loader import build_model, load_model
+from kestrel.models.loader import build_model, load_model, param_count
 from kestrel.models.presets import preset_config
 from kestrel.models.simple_cache import greedy_generate
 from kestrel.quant.fp4 import mxfp4_quantize
@@ -121,6 +121,7 @@ def test_conversion_keeps_every_non_expert_tensor(tiny_checkpoints):
     config = json.loads((tiny_checkpoints["deepseek_v32"] / "config.json").read_text())
     packed, new_config = with_mxfp4_experts(dense, config)
     assert new_config["quantization_config"]["quant_method"] == "mxfp4" and "quantization_config" not in config
+    assert param_count(packed) == param_count(dense)  # packed bytes count as the weights they hold
     dense_state, packed_state = dense.state_dict(), packed.state_dict()
     for name, tensor in packed_state.items():
         if not name.endswith(("_blocks", "_scales")):
