@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from kestrel.engine.config import EngineConfig
+from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 from kestrel.server.args import add_server_args
 
 
@@ -19,9 +20,24 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     from kestrel.models.loader import load_model, param_count
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    out = make_model(args.family, args.size, args.out, seed=args.seed, dtype=dtype)
+    if (args.source is None) == (args.family is None):
+        print("error: make-model needs exactly one of --family (random) and --from (convert)", file=sys.stderr)
+        return 2
+    if args.source:
+        from kestrel.models.checkpoint import convert_checkpoint
+
+        out = convert_checkpoint(args.source, args.out, args.weight_format)
+    else:
+        out = make_model(
+            args.family, args.size, args.out, seed=args.seed, dtype=dtype, weight_format=args.weight_format
+        )
     model, cfg = load_model(out)
-    print(f"wrote {cfg.model_type} ({args.size}, {param_count(model) / 1e6:.2f}M parameters) to {out}")
+    print(f"wrote {cfg.model_type} ({args.source or args.size}, {param_count(model) / 1e6:.2f}M parameters) to {out}")
+    if cfg.routed_expert_format == "mxfp4":
+        from kestrel.models.layers.moe_mxfp4 import expert_bytes
+
+        packed, bf16 = expert_bytes(model)
+        print(f"routed experts: {packed / 2**20:.2f} MiB resident in MXFP4 vs {bf16 / 2**20:.2f} MiB in bf16")
     return 0
 
 
@@ -153,7 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.train.evaluate import eval_arithmetic, eval_tools
 
-    llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64)
+    llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype)
     scores = eval_arithmetic(llm, args.n) if args.task == "arithmetic" else eval_tools(llm, args.n)
     for name, value in scores.items():
         print(f"{args.task}/{name}: {value:.3f}")
@@ -183,11 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     mm = add_command(sub, "make-model", "write a random checkpoint in a family's real on-disk format")
-    mm.add_argument("--family", required=True, choices=["kimi_linear", "deepseek_v32", "kimi_k3"])
+    mm.add_argument("--family", default=None, choices=["kimi_linear", "deepseek_v32", "kimi_k3"])
     mm.add_argument("--size", default="tiny", choices=["tiny", "small"])
     mm.add_argument("--out", required=True)
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    mm.add_argument(
+        "--weight-format", default="dense", choices=["dense", "mxfp4"], help="routed experts: as --dtype, or MXFP4"
+    )
+    mm.add_argument("--from", dest="source", default=None, help="convert this checkpoint instead of a random one")
     mm.set_defaults(func=cmd_make_model)
 
     gen = add_command(sub, "generate", "complete a prompt (default model: the built-in one)")
@@ -275,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("model", nargs="?", default=None)
     ev.add_argument("--task", required=True, choices=["arithmetic", "tools"])
     ev.add_argument("-n", type=int, default=200)
+    ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")
     ev.set_defaults(func=cmd_eval)
     return parser
 

@@ -88,6 +88,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     routed_expert_hidden_size: int | None = None
     latent_moe_use_norm: bool = False
+    # "mxfp4": routed experts stored packed (`quantization_config.quant_method`); everything else stays as loaded.
+    routed_expert_format: str = "dense"
     # AttnRes
     attn_res_block_size: int | None = None
     # Multimodal checkpoints (K3): kept for completeness; Kestrel serves the text tower.
@@ -157,6 +159,14 @@ class ModelConfig:
             need(self.router_activation in ("sigmoid", "softmax"), "moe_router_activation_func", "sigmoid|softmax")
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group", "must divide num_experts")
             need(1 <= self.topk_group <= self.n_group, "topk_group", "must be in [1, n_group]")
+            need(self.routed_expert_format in ("dense", "mxfp4"), "quantization_config.quant_method", "mxfp4 or none")
+            if self.routed_expert_format == "mxfp4":
+                expert_in = self.routed_expert_hidden_size or self.hidden_size
+                in_name = "routed_expert_hidden_size" if self.routed_expert_hidden_size else "hidden_size"
+                need(expert_in % 32 == 0, in_name, "MXFP4 experts need a multiple of 32")
+                need(
+                    self.moe_intermediate_size % 32 == 0, "moe_intermediate_size", "MXFP4 experts need a multiple of 32"
+                )
         if self.attn_res_block_size is not None:
             need(self.attn_res_block_size > 0, "attn_res_block_size", "must be > 0")
 
@@ -319,6 +329,9 @@ def _parse(raw: dict[str, Any], model_type: str, vision: dict[str, Any] | None) 
         routed_scaling_factor=float(_first(raw, "routed_scaling_factor", default=1.0)),
         routed_expert_hidden_size=_first(raw, "routed_expert_hidden_size"),
         latent_moe_use_norm=bool(raw.get("latent_moe_use_norm", False)),
+        routed_expert_format="mxfp4"
+        if (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+        else "dense",
         attn_res_block_size=_first(raw, "attn_res_block_size"),
         vision_config=vision,
     )

@@ -60,6 +60,7 @@ KV_FORMATS: dict[str, KVFormat] = {
     "fp8": KVFormat(8, 4, 128, 8, 4, None),
     "nvfp4": KVFormat(4, 1, 16, 4, 1, 32),
 }
+KV_FORMATS["fp8_e4m3"] = KV_FORMATS["fp8"]  # the engine's --kv-cache-dtype name of the same layout
 
 # Routed-expert bytes per parameter; every other weight is bf16. MXFP4 = 4-bit values + one E8M0 scale
 # per 32 = 4.25 bits; FP8 block scales (one per 128×128) are negligible.

@@ -49,5 +49,4 @@ class PoolIO:
 
     @property
     def packed_bytes_per_token(self) -> int:
-        first = next(iter(self.kv.latent.values()))
-        return self.kv.packed_width * first.element_size()
+        return self.kv.packed_bytes_per_token

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kestrel.config import ConfigError
+from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -20,6 +21,13 @@ class EngineConfig:
     page_size: int = field(default=16, metadata={"help": "tokens per KV-cache page"})
     max_total_tokens: int | None = field(
         default=None, metadata={"help": "KV-cache capacity in tokens (default: what --mem-fraction holds)"}
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "MLA/DSA KV cache: auto (model dtype), fp8_e4m3 (FlashMLA layout), nvfp4 (MXFP4 index keys)",
+            "choices": KV_CACHE_DTYPES,
+        },
     )
     mem_fraction: float = field(
         default=0.5, metadata={"help": "fraction of free device memory (CPU: available RAM) for the caches"}
@@ -66,6 +74,7 @@ class EngineConfig:
 
         need(self.dtype in DTYPES, "dtype", "|".join(DTYPES))
         need(self.page_size >= 1, "page_size", "must be >= 1")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "|".join(KV_CACHE_DTYPES))
         need(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens", "must be >= 1")
         need(0 < self.mem_fraction <= 1, "mem_fraction", "must be in (0, 1]")
         need(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")

@@ -101,6 +101,7 @@ class Engine:
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         num_slots = self._num_slots()
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg, DTYPES[config.dtype], config.kv_cache_dtype)
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers
@@ -108,7 +109,13 @@ class Engine:
         if config.compile:
             compile_max_bs = config.cuda_graph_max_bs if self.device.type == "cuda" else config.compile_max_bs
         self.runner = ModelRunner(
-            self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype], compile_max_bs
+            self.model,
+            num_pages,
+            config.page_size,
+            max(num_slots, 1),
+            DTYPES[config.dtype],
+            compile_max_bs,
+            config.kv_cache_dtype,
         )
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
@@ -145,10 +152,12 @@ class Engine:
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
         log.info(
-            "capacity: %d KV tokens (%d pages of %d), %d KDA state slots, max model len %d, device %s",
+            "capacity: %d KV tokens (%d pages of %d, %s, %d B/token), %d KDA state slots, max model len %d, device %s",
             num_pages * config.page_size,
             num_pages,
             config.page_size,
+            config.kv_cache_dtype,
+            self.kv_bytes_per_token,
             num_slots,
             self.max_model_len,
             self.device,
@@ -171,7 +180,7 @@ class Engine:
         if config.max_total_tokens is not None:
             tokens = config.max_total_tokens
         else:
-            per_token = max(kv_bytes_per_token(cfg, DTYPES[config.dtype]), 1)
+            per_token = max(self.kv_bytes_per_token, 1)
             budget = free_memory_bytes(self.device) * config.mem_fraction
             budget -= num_slots * state_bytes_per_slot(cfg, DTYPES[config.dtype])
             tokens = int(budget // per_token)
@@ -402,4 +411,6 @@ def model_fingerprint(path: Path, config: EngineConfig) -> str:
     for f in sorted(root.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
     h.update(f"{config.dtype}:{config.page_size}".encode())
+    if config.kv_cache_dtype != "auto":  # quantized pages are other bytes (auto keeps earlier fingerprints)
+        h.update(config.kv_cache_dtype.encode())
     return h.hexdigest()[:24]

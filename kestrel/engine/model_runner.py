@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.cache.kv_pool import KVStorage
+from kestrel.cache.kv_pool import KVStorage, make_kv_storage
 from kestrel.cache.state_pool import StateStorage
 from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.scheduler import SchedulePlan
@@ -40,28 +40,23 @@ class PagedCacheView:
         self.decode_slots = slot_table[:num_decode, : max(history_list[:num_decode], default=0)]
 
     def store_kv(self, layer, latent, rope_key, index_key) -> None:
-        self.kv.latent[layer].index_copy_(0, self.write_slots, latent.to(self.kv.latent[layer].dtype))
-        self.kv.rope_key[layer].index_copy_(0, self.write_slots, rope_key.to(self.kv.rope_key[layer].dtype))
-        if index_key is not None:
-            self.kv.index_key[layer].index_copy_(0, self.write_slots, index_key.to(self.kv.index_key[layer].dtype))
+        self.kv.write(layer, self.write_slots, latent, rope_key, index_key)
 
     def load_kv(self, layer, seq):
         idx = self.slot_table[seq, : self._history_list[seq]]
-        index = self.kv.index_key[layer]
-        return self.kv.latent[layer][idx], self.kv.rope_key[layer][idx], index[idx] if index is not None else None
+        return *self.kv.read(layer, idx), self.kv.read_index(layer, idx)
 
     def decode_lengths(self):
         return self.history_lens[: self.decode_slots.shape[0]]
 
     def decode_kv(self, layer):
-        return self.kv.latent[layer][self.decode_slots], self.kv.rope_key[layer][self.decode_slots]
+        return self.kv.read(layer, self.decode_slots)
 
     def decode_index_keys(self, layer):
-        return self.kv.index_key[layer][self.decode_slots]
+        return self.kv.read_index(layer, self.decode_slots)
 
     def decode_kv_at(self, layer, positions):
-        slots = self.decode_slots.gather(1, positions)
-        return self.kv.latent[layer][slots], self.kv.rope_key[layer][slots]
+        return self.kv.read(layer, self.decode_slots.gather(1, positions))
 
     def load_state(self, layer):
         # index_select copies whole rows; CPU advanced indexing copies element by element (1.3-4x slower here).
@@ -76,6 +71,15 @@ class PagedCacheView:
         slot = self.snapshot_slots[seq][index]
         self.states.conv[layer][slot] = conv_state
         self.states.recurrent[layer][slot] = recurrent_state
+
+
+def latent_bounds(model: CausalLM) -> dict[int, float]:
+    """Per MLA/DSA layer, a bound on |latent|: RMSNorm output is at most max|γ|·√r per element (NVFP4's layer scale)."""
+    out = {}
+    for layer in model.cfg.attention_layers:
+        norm = model.model.layers[layer].self_attn.kv_a_layernorm.weight
+        out[layer] = float(norm.detach().abs().max()) * norm.shape[0] ** 0.5
+    return out
 
 
 def chunk_tokens(prompt: list[int], output: list[int], start: int, n: int) -> list[int]:
@@ -137,6 +141,7 @@ class ModelRunner:
         num_slots: int,
         kv_dtype: torch.dtype,
         compile_max_bs: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.page_size = model, page_size
         cfg, device = model.cfg, model.device
@@ -144,7 +149,7 @@ class ModelRunner:
         # One page and one state slot past what the allocators hand out: padding rows of a compiled decode
         # step read and write only there.
         self.scratch_page, self.scratch_slot = num_pages, num_slots
-        self.kv = KVStorage(cfg, num_pages + 1, page_size, kv_dtype, device)
+        self.kv = make_kv_storage(cfg, num_pages + 1, page_size, kv_dtype, device, kv_cache_dtype, latent_bounds(model))
         self.states = StateStorage(cfg, num_slots + 1, model.dtype, device) if cfg.kda_layers else None
         self._offsets = torch.arange(page_size, device=device)
         self.compiled = CompiledDecode(self, compile_max_bs) if compile_max_bs > 0 else None

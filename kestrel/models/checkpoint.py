@@ -7,13 +7,16 @@ family keeps its own layout: Kimi checkpoints write `block_sparse_moe.experts.N.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -22,7 +25,8 @@ from kestrel.models.decoder import CausalLM
 from kestrel.models.layers.kda import KDAAttention
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.moe import Experts, Router
-from kestrel.models.loader import build_model
+from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
+from kestrel.models.loader import build_model, checkpoint_files, load_model
 from kestrel.models.presets import preset_config
 from kestrel.tokenizer import BYTE_VOCAB_SIZE, byte_level_tokenizer, save_tokenizer
 
@@ -113,7 +117,9 @@ def save_checkpoint(
     tensors = export_state_dict(model)
     if dtype is not None:
         keep_fp32 = ("gate.weight", "e_score_correction_bias", "dt_bias", "A_log")
-        tensors = {k: v if k.endswith(keep_fp32) else v.to(dtype) for k, v in tensors.items()}
+        # Packed (integer) tensors such as MXFP4 blocks and scales are bytes, not values: never cast them.
+        keep = lambda k, v: k.endswith(keep_fp32) or not v.is_floating_point()  # noqa: E731
+        tensors = {k: v if keep(k, v) else v.to(dtype) for k, v in tensors.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -142,10 +148,90 @@ def save_checkpoint(
     return out
 
 
+WEIGHT_FORMATS = ("dense", "mxfp4")
+
+
+def mxfp4_quantization_config(kimi: bool) -> dict[str, Any]:
+    """`quantization_config` of a checkpoint whose routed experts are MXFP4 (Hugging Face's gpt-oss convention):
+    routers, norms, attention (KDA decay parameters and the indexer included), shared experts and the latent
+    projections stay in high precision."""
+    moe = "block_sparse_moe" if kimi else "mlp"
+    keep = ["self_attn", "input_layernorm", "post_attention_layernorm", f"{moe}.gate", f"{moe}.shared_experts"]
+    keep += [f"{moe}.routed_expert_{p}" for p in ("down_proj", "up_proj", "norm")] + [
+        "mlp.gate_up_proj",
+        "mlp.down_proj",
+    ]
+    return {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.embed_tokens", "model.norm", "lm_head"]
+        + [f"model.layers.*.{m}" for m in keep],
+    }
+
+
+def with_mxfp4_experts(model: CausalLM, config: dict[str, Any]) -> tuple[CausalLM, dict[str, Any]]:
+    """The model with its routed experts quantized to MXFP4 by Kestrel's quantizer (all else copied), and its
+    config declaring them."""
+    config = copy.deepcopy(config)
+    config["quantization_config"] = mxfp4_quantization_config(model.cfg.model_type in ("kimi_linear", "kimi_k3"))
+    param = next(model.parameters())
+    packed = build_model(model_config_from_dict(config), param.dtype, param.device)
+    dense = {
+        k: v for k, v in model.state_dict().items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
+    missing, unexpected = packed.load_state_dict(dense, strict=False)
+    assert not unexpected and all(k.endswith(("_blocks", "_scales")) for k in missing), (missing, unexpected)
+    for name, module in packed.named_modules():
+        if isinstance(module, MXFP4Experts):
+            source = model.get_submodule(name)
+            module.pack_(source.gate_up_proj.float(), source.down_proj.float())
+    return packed, config
+
+
+def convert_checkpoint(src: str | Path, out_dir: str | Path, weight_format: str) -> Path:
+    """Rewrite a checkpoint with its routed experts in `weight_format` (tokenizer files are copied along)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: {weight_format!r} is not one of {WEIGHT_FORMATS}")
+    src, out = Path(src), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    model, _ = load_model(src)
+    if weight_format == "mxfp4":
+        model, config = with_mxfp4_experts(model, config)
+    save_checkpoint(model, config, out, dtype=_stored_dtype(src))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def _stored_dtype(path: Path) -> torch.dtype:
+    """The floating dtype most of a checkpoint's tensors are stored in (what a rewrite keeps)."""
+    counts: dict[torch.dtype, int] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(t.get_dtype())
+                if dtype is not None:
+                    counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=counts.get, default=torch.float32)
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def make_model(
-    family: str, size: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+    family: str,
+    size: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    weight_format: str = "dense",
+    **overrides: Any,
 ) -> Path:
-    """Random checkpoint of a preset (config overrides allowed) written by Kestrel's own code."""
+    """Random checkpoint of a preset (config overrides allowed) written by Kestrel's own code; `weight_format`
+    "mxfp4" stores the routed experts as MXFP4 blocks and scales."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: {weight_format!r} is not one of {WEIGHT_FORMATS}")
     config = preset_config(family, size)
     target = config["text_config"] if "text_config" in config else config
     target.update(overrides)
@@ -153,6 +239,8 @@ def make_model(
     model = init_random_(build_model(cfg, torch.float32), seed)
     if dtype != torch.float32:
         target["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if weight_format == "mxfp4":
+        model, config = with_mxfp4_experts(model, config)
     out = save_checkpoint(model, config, out_dir, dtype=dtype)
     if cfg.vocab_size >= BYTE_VOCAB_SIZE:
         save_tokenizer(byte_level_tokenizer(), out)

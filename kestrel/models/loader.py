@@ -190,4 +190,8 @@ def load_model(
 
 
 def param_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Model weights; packed MXFP4 `*_blocks` bytes hold two weights each and their `*_scales` none."""
+    weights = {"_blocks": 2, "_scales": 0}
+    return sum(
+        p.numel() * (weights.get(name[-7:], 1) if p.dtype == torch.uint8 else 1) for name, p in model.named_parameters()
+    )

@@ -8,6 +8,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.layers.linear import FusedLinear
+from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.weight_loaders import expert_loader, set_loader
 
@@ -136,7 +137,8 @@ class MoE(nn.Module):
             self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
             self.routed_expert_up_proj = nn.Linear(latent, cfg.hidden_size, bias=False)
         self.latent = bool(latent)
-        self.experts = Experts(cfg, latent or cfg.hidden_size)
+        packed = cfg.routed_expert_format == "mxfp4"
+        self.experts = (MXFP4Experts if packed else Experts)(cfg, latent or cfg.hidden_size)
         shared = cfg.moe_intermediate_size * cfg.num_shared_experts
         self.shared_experts = DenseMLP(cfg, cfg.hidden_size, shared) if shared else None
 
