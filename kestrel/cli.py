@@ -125,14 +125,14 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         if f.name == "model":
             continue
         default = defaults.get(f.name, f.default)
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]  # SGLang's names as aliases
         if "bool" in str(f.type):
             action = argparse.BooleanOptionalAction
-            parser.add_argument(flag, action=action, default=default, dest=f.name, help=f.metadata["help"])
+            parser.add_argument(*flags, action=action, default=default, dest=f.name, help=f.metadata["help"])
             continue
         kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
         choices = f.metadata.get("choices")
-        parser.add_argument(flag, type=kind, default=default, dest=f.name, choices=choices, help=f.metadata["help"])
+        parser.add_argument(*flags, type=kind, default=default, dest=f.name, choices=choices, help=f.metadata["help"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -18,10 +18,12 @@ import torch
 
 from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
-from kestrel.cache.pool_io import PoolIO
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
+from kestrel.dist.engine_ranks import engine_groups
+from kestrel.dist.runner import DistModelRunner
+from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
@@ -96,7 +98,13 @@ class Engine:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
         path = Path(config.model) if config.model else builtin_model_path()
-        self.model, self.model_config = load_model(path, DTYPES[config.dtype], self.device)
+        self.groups = engine_groups(config)
+        if self.groups is None:
+            self.model, self.model_config = load_model(path, DTYPES[config.dtype], self.device)
+        else:  # this rank's shard; `model.cfg` is the rank's view (its heads), `model_config` the whole model's
+            self.model, self.model_config = load_sharded_model(
+                path, self.groups, DTYPES[config.dtype], self.device, config.moe_dispatch
+            )
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -107,9 +115,11 @@ class Engine:
         compile_max_bs = 0
         if config.compile:
             compile_max_bs = config.cuda_graph_max_bs if self.device.type == "cuda" else config.compile_max_bs
-        self.runner = ModelRunner(
-            self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype], compile_max_bs
-        )
+        pools = (self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype])
+        if self.groups is None:
+            self.runner = ModelRunner(*pools, compile_max_bs)
+        else:
+            self.runner = DistModelRunner(*pools, self.groups)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.hicache: HiCache | None = None
@@ -123,7 +133,7 @@ class Engine:
             self.cache = RadixCache(
                 self.pages,
                 self.slots,
-                PoolIO(self.runner.kv, self.runner.states, config.page_size),
+                self.runner.pool_io(),
                 config.state_track_interval,
                 config.max_states_per_path,
                 self.hicache,
@@ -173,7 +183,7 @@ class Engine:
         else:
             per_token = max(kv_bytes_per_token(cfg, DTYPES[config.dtype]), 1)
             budget = free_memory_bytes(self.device) * config.mem_fraction
-            budget -= num_slots * state_bytes_per_slot(cfg, DTYPES[config.dtype])
+            budget -= num_slots * state_bytes_per_slot(self.model.cfg, DTYPES[config.dtype])  # this rank's heads
             tokens = int(budget // per_token)
             tokens = min(tokens, config.max_running_requests * self.max_model_len)
         if tokens < config.page_size:
