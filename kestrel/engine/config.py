@@ -119,7 +119,8 @@ class EngineConfig:
         need(self.dist_timeout > 0, "dist_timeout", "must be > 0 seconds")
         need(self.moe_dispatch in ("allgather", "alltoall"), "moe_dispatch", "allgather|alltoall")
         if self.ep_expert_map is not None:
-            need(all(x.strip().isdigit() for x in self.ep_expert_map.split(",")), "ep_expert_map", "ints, comma-separated")
+            owners = self.ep_expert_map.split(",")
+            need(all(x.strip().isdigit() for x in owners), "ep_expert_map", "ints, comma-separated")
         self.parallel_layout().validate()
         if self.tp > 1:
             need(not self.compile, "compile", "not supported with --tp > 1 yet")

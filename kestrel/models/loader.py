@@ -126,7 +126,8 @@ def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> No
     fused = fused_names(model)
     part_names = {target: name for name, target in fused.items()}
     total = sum(f.stat().st_size for f in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress or total < PROGRESS_BAR_MIN_BYTES) as bar:
+    quiet = not progress or total < PROGRESS_BAR_MIN_BYTES
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=quiet) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for ckpt_name in f.keys():
