@@ -7,6 +7,7 @@ its spawned ranks: a rank that dies stops the whole job with an error instead of
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import signal
@@ -25,6 +26,15 @@ from kestrel.dist.groups import Groups, ParallelLayout, build_groups, set_curren
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_FAILED: list[str] = []  # set by rank 0's watcher when a spawned rank exits while the job runs
+
+
+class RankFailure(RuntimeError):
+    """A rank of the job died; every other rank was stopped."""
+
+
+def job_failed() -> bool:
+    return bool(_FAILED)
 
 
 def free_port() -> int:
@@ -117,15 +127,22 @@ def run_ranks(
         ctx.join()
         return None
     stop = threading.Event()
+    _FAILED.clear()
     watcher = threading.Thread(target=_watch, args=(ctx, stop), name="kestrel-rank-watch", daemon=True)
     watcher.start()
-    groups = init_rank(layout, 0, init_addr, device, timeout_s)
     try:
-        return main(groups)
+        groups = init_rank(layout, 0, init_addr, device, timeout_s)
+        result = main(groups)
+    except BaseException:
+        if not _FAILED:
+            raise
     finally:
         stop.set()
         shutdown_rank()
         _join(ctx, timeout_s)
+    if _FAILED:
+        raise RankFailure(_FAILED[0])
+    return result
 
 
 def _watch(ctx, stop: threading.Event) -> None:
@@ -133,11 +150,12 @@ def _watch(ctx, stop: threading.Event) -> None:
     while not stop.wait(0.2):
         for i, p in enumerate(ctx.processes):
             if p.exitcode is not None and not stop.is_set():
+                _FAILED.append(f"rank {i + 1} exited with code {p.exitcode}; every rank was stopped")
                 log.error("rank %d exited with code %s; stopping every rank", i + 1, p.exitcode)
                 for q in ctx.processes:
                     if q.is_alive():
                         q.kill()
-                os.kill(os.getpid(), signal.SIGTERM)
+                _thread.interrupt_main(signal.SIGINT)  # as Ctrl-C: the server shuts down, `generate` unwinds
                 return
 
 

@@ -27,9 +27,13 @@ _LEADERS: list[DistModelRunner] = []  # rank 0's runners whose followers still w
 
 
 def release_followers() -> None:
-    """Rank 0: send stop to the followers of every runner built in this process."""
+    """Rank 0: send stop to the followers of every runner built in this process (none left if a rank died)."""
+    from kestrel.dist.launch import job_failed
+
     while _LEADERS:
-        _LEADERS.pop().stop_followers()
+        leader = _LEADERS.pop()
+        if not job_failed():
+            leader.stop_followers()
 
 
 @dataclass
