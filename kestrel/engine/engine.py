@@ -21,6 +21,7 @@ from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
+from kestrel.dist.dp_attention import dp_scheduling
 from kestrel.dist.engine_ranks import engine_groups
 from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
@@ -148,6 +149,8 @@ class Engine:
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
         )
+        if self.groups is not None and self.groups.layout.dp_attn > 1:  # a scheduler and pools per attention group
+            self.pages, self.slots, self.cache, self.scheduler = dp_scheduling(self, num_pages, num_slots)
         self.eos_token_ids = set(eos)
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
