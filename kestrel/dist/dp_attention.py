@@ -2,8 +2,8 @@
 
 Rank 0 keeps one `Scheduler` (with its page and slot allocators and prefix cache: plain integers) per group and
 plans every group's step; each group's ranks hold only that group's pools and run only its batch. The MLP half
-of every layer runs over all ranks on the tokens of every group (`DPGatheredMLP`: all-gather, MLP, keep own rows),
-so the MoE sees the union of the groups' tokens. A group with nothing to do runs one padding row on the scratch
+of every layer (and the embedding, and the LM head on the sampled rows) runs over all ranks on the rows of every
+group (`DPGathered`: all-gather, run, keep own rows), so the MoE sees the union of the groups' tokens. A group with nothing to do runs one padding row on the scratch
 page and slot, which the MLP gather drops: the collectives always match.
 """
 
@@ -57,12 +57,20 @@ def own_rows(y: torch.Tensor, step: DPStep, rows: int) -> torch.Tensor:
     return out
 
 
-class DPGatheredMLP(nn.Module):
-    """An MLP / MoE block run over every attention-DP group's tokens at once (see module docstring)."""
+class DPGathered(nn.Module):
+    """A row-wise block (embedding, MLP, MoE) run over every attention-DP group's rows at once: the
+    vocabulary-, tensor- and expert-parallel layers inside see the same rows on every rank."""
 
     def __init__(self, inner: nn.Module, dp: Group) -> None:
         super().__init__()
         self.inner, self.dp = inner, dp
+
+    def __getattr__(self, name: str):
+        """What code reads of the wrapped block (e.g. the embedding's weight for the model's device and dtype)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
 
     def forward(self, x: torch.Tensor, *args):
         step = _STEP

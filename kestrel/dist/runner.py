@@ -191,7 +191,8 @@ class DistModelRunner(ModelRunner):
         return StepLogits(sample, {}), batch
 
     def _run_dp(self, messages: list[StepMessage]) -> tuple[torch.Tensor, ForwardBatch]:
-        """This rank's group's forward; the MLPs see every group's rows; every group's sampled logits gathered."""
+        """This rank's group's forward (the MLPs see every group's rows); then the LM head over every group's
+        sampled rows, in group order."""
         g = self.groups.dp_index
         set_dp_step(DPStep([m.real_rows for m in messages], g))
         try:
@@ -199,9 +200,8 @@ class DistModelRunner(ModelRunner):
             hidden = self.model(batch)
             for src, dst in copies:
                 self.states.copy(src, dst)
-            logits = self.model.logits(hidden[rows])
             counts = DPStep([len(m.inputs.sample_rows) for m in messages], g)
-            return gather_rows(logits, counts, self.groups.attn_dp), batch
+            return self.model.logits(gather_rows(hidden[rows], counts, self.groups.attn_dp)), batch
         finally:
             set_dp_step(None)
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ModelConfig, load_model_config
-from kestrel.dist.dp_attention import DPGatheredMLP
+from kestrel.dist.dp_attention import DPGathered
 from kestrel.dist.groups import Groups
 from kestrel.dist.moe import ParallelExperts
 from kestrel.dist.parallel import (
@@ -95,15 +95,14 @@ def _shard_layers(model: CausalLM, groups: Groups, dispatch: str) -> None:
             shard_moe(module, groups, dispatch)
         elif isinstance(module, DenseMLP) and module not in shared:
             shard_mlp(module, groups)
-    # The vocabulary splits over the attention group: its ranks hold the same tokens.
     inner = model.model
-    inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, groups.attn_tp)
+    inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, groups.world)
     if model.cfg.tie_word_embeddings:
-        head = ParallelLMHead(model.lm_head, groups.attn_tp)
+        head = ParallelLMHead(model.lm_head, groups.world)
         head.weight = inner.embed_tokens.weight
         model.lm_head = head
     else:
-        model.lm_head = ParallelLMHead(model.lm_head, groups.attn_tp)
+        model.lm_head = ParallelLMHead(model.lm_head, groups.world)
 
 
 def shared_experts(model: nn.Module) -> set[nn.Module]:
@@ -153,7 +152,8 @@ def load_sharded_model(
     shard_model(model, groups, dispatch)
     materialize(model, torch.device(device))
     load_weights(model, path, progress=groups.rank == 0)
-    if groups.layout.dp_attn > 1:  # MLPs run over every attention group's tokens (wrapped once named-loaded)
+    if groups.layout.dp_attn > 1:  # the embedding and MLPs run over every group's rows (wrapped once loaded)
+        model.model.embed_tokens = DPGathered(model.model.embed_tokens, groups.attn_dp)
         for layer in model.model.layers:
-            layer.mlp = DPGatheredMLP(layer.mlp, groups.attn_dp)
+            layer.mlp = DPGathered(layer.mlp, groups.attn_dp)
     return model.eval(), cfg
