@@ -87,12 +87,11 @@ def _assert_same(got: dict, want: dict, dp_attn: int) -> None:
 @pytest.mark.parametrize(
     "layout, dispatch",
     [
-        (ParallelLayout(tp=2), "allgather"),
-        (ParallelLayout(tp=4, ep=2), "allgather"),
-        (ParallelLayout(tp=2, ep=2), "alltoall"),
+        (ParallelLayout(tp=2), "allgather"),  # experts split inside (moe tp 2)
+        (ParallelLayout(tp=4, ep=4), "alltoall"),
         (ParallelLayout(tp=2, ep=2, dp_attn=2), "allgather"),
     ],
-    ids=["tp2", "tp4-ep2", "tp2-ep2-alltoall", "dp-attn2-tp2-ep2"],
+    ids=["tp2", "tp4-ep4-alltoall", "dp-attn2-tp2-ep2"],
 )
 def test_parallel_engine_matches_single_process(layout, dispatch, tiny_checkpoints, single_process):
     paths = {fam: str(tiny_checkpoints[fam]) for fam in FAMILIES}
