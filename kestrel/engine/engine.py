@@ -227,6 +227,10 @@ class Engine:
             raise ValueError(f"prompt: token ids must be ints in [0, {self.model_config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is longer than the context ({self.max_model_len - 1} max)")
+        if self.groups is not None and self.groups.layout.dp_attn > 1:  # see DistModelRunner.execute
+            if params.prompt_logprobs is not None or return_routed_experts:
+                field = "prompt_logprobs" if params.prompt_logprobs is not None else "return_routed_experts"
+                raise ValueError(f"{field}: not supported with attention DP (--dp-attn > 1) yet")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
