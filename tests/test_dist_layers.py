@@ -1,5 +1,6 @@
 """Each parallel layer equals its unsharded twin at world 1, 2 and 4 (uneven vocabularies and expert maps,
-padding rows routed to no expert, both MoE dispatch schemes), loading its shard through `checkpoint_slice`."""
+padding rows routed to no expert, both MoE dispatch schemes), loading its shard through `checkpoint_slice`; whole
+sharded models of the three families give the one-process logits (1e-4)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dist_harness import spawn_ranks
 from torch import nn
 
 from kestrel.config import ConfigError
+from kestrel.dist import comm
 from kestrel.dist.groups import ParallelLayout
 from kestrel.models.weight_loaders import SKIP, loader_of, slice_of
 
@@ -50,7 +52,20 @@ def _twins(seed: int):
     }
 
 
-def _layers_rank(groups, seed: int, owners: list[int]) -> dict[str, float]:
+def _model_logits(groups, paths: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Each family's sharded model on one 40-token prompt (no cache): full logits, gathered."""
+    from kestrel.dist.tensor_parallel import load_sharded_model
+    from kestrel.models.forward_batch import ForwardBatch
+
+    out = {}
+    for family, path in paths.items():
+        model, _ = load_sharded_model(path, groups)
+        with torch.inference_mode():
+            out[family] = model.logits(model(ForwardBatch.single(torch.arange(3, 43))))
+    return out
+
+
+def _layers_rank(groups, seed: int, owners: list[int], paths: dict[str, str]) -> dict[str, float]:
     from kestrel.dist.moe import ParallelExperts
     from kestrel.dist.parallel import (
         ColumnParallelLinear,
@@ -103,6 +118,20 @@ def _layers_rank(groups, seed: int, owners: list[int]) -> dict[str, float]:
                 _fill(par.down_proj, ex.down_proj[e], (e, None))
             errs[f"experts_{dispatch}"] = (par(xe, ids, w) - want).abs().max().item()
             errs["local_experts"] = len(par.local_experts)
+        comm.reset_counters()
+        row(local)
+        errs["all_reduce_bytes"] = comm.BYTES["all_reduce"]
+        # The other wrappers: each rank contributes (rank + 1) · [1, 2, ..., 2n] (n the group size).
+        n = g.size
+        mine = (g.rank + 1) * torch.arange(1.0, 2 * n + 1)
+        total = n * (n + 1) / 2 * torch.arange(1.0, 2 * n + 1)
+        errs["reduce_scatter"] = (comm.reduce_scatter(mine.clone(), g) - total.view(n, 2)[g.rank]).abs().max().item()
+        to_each = torch.arange(n, dtype=torch.float32) + 10 * g.rank  # row j goes to rank j
+        got = comm.all_to_all(to_each[:, None], [1] * n, [1] * n, g)[:, 0]  # row i came from rank i
+        errs["all_to_all"] = (got - (g.rank + 10 * torch.arange(n))).abs().max().item()
+        sent = comm.broadcast_cpu(torch.full((3,), float(g.rank)), g)
+        errs["broadcast"] = sent.abs().max().item()  # rank 0's zeros everywhere
+    errs["logits"] = _model_logits(groups, paths)
     return errs
 
 
@@ -118,11 +147,24 @@ UNEVEN = [0, 0, 0, 0, 0, 1, 1, 1]  # rank 0 holds five experts, rank 1 three
     ],
     ids=["world1", "world2-uneven-ep2", "world4-ep2"],
 )
-def test_parallel_layers_equal_unsharded_twins(layout, owners):
-    for rank, errs in enumerate(spawn_ranks(_layers_rank, layout, 0, owners)):
-        local = errs.pop("local_experts")
-        assert local == owners.count(rank // layout.moe_tp)
+def test_parallel_layers_and_models_equal_unsharded_twins(layout, owners, tiny_checkpoints):
+    from kestrel.models.forward_batch import ForwardBatch
+    from kestrel.models.loader import load_model
+
+    paths = {fam: str(p) for fam, p in tiny_checkpoints.items()}
+    want = {}
+    for family, path in paths.items():
+        model, _ = load_model(path)
+        with torch.inference_mode():
+            want[family] = model.logits(model(ForwardBatch.single(torch.arange(3, 43))))
+    for rank, errs in enumerate(spawn_ranks(_layers_rank, layout, 0, owners, paths)):
+        assert errs.pop("local_experts") == owners.count(rank // layout.moe_tp)
         assert "experts_alltoall" in errs or layout.moe_tp > 1
+        # The comm layer counts what a row-parallel layer reduces: [5, 12] fp32 = 240 bytes, nothing alone.
+        assert errs.pop("all_reduce_bytes") == (240 if layout.world > 1 else 0)
+        for family, logits in errs.pop("logits").items():  # whole sharded models: tiny checkpoints, 3 families
+            assert torch.equal(logits.argmax(-1), want[family].argmax(-1))
+            assert (logits - want[family]).abs().max() < 1e-4, family
         for name, err in errs.items():
             assert err < 1e-5, (rank, name, err)
 

@@ -67,7 +67,11 @@ def run_engine(config, main: Callable[[], T]) -> T | None:
     layout = config.parallel_layout()
     if layout.world == 1:
         return main()
+    from kestrel.config import load_model_config
     from kestrel.engine.engine import resolve_device
+    from kestrel.models.builtin import builtin_model_path
+
+    layout.validate(load_model_config(config.model or builtin_model_path()))  # one clear error before any spawn
 
     return run_ranks(
         layout,

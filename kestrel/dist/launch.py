@@ -72,9 +72,10 @@ def torchrun_env() -> tuple[int, int, str, int] | None:
 
 
 def _follower_entry(index: int, first_rank: int, layout, init_addr, device, timeout_s, follow) -> None:
-    """A spawned rank: ignore SIGINT (rank 0 stops it with a message), join, follow, leave."""
+    """A spawned rank: ignore SIGINT and SIGTERM (a terminal's Ctrl-C reaches every rank; rank 0 stops the others
+    with a message, or kills them), join, follow, leave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = first_rank + index
     groups = init_rank(layout, rank, init_addr, device, timeout_s, local_rank=rank % max(1, torch.cuda.device_count()))
     try:
