@@ -1,5 +1,5 @@
 """`kestrel serve --tp 2`: same text as one process through the OpenAI client (stream and not), SIGINT stops
-every rank with exit 0, and a killed rank brings the server down with a clear error instead of a hang."""
+every rank with exit 0, and a killed or stuck rank brings the server down with a clear error instead of a hang."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def checkpoint(tmp_path_factory):
     return str(make_model("kimi_k3", "tiny", tmp_path_factory.mktemp("dist_server") / "k3", seed=0))
 
 
-def _serve_tp2(checkpoint: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+def _serve_tp2(checkpoint: str, log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "kestrel.cli", "serve", checkpoint, "--port", str(port), "--device", "cpu"]
-    cmd += ["--tp", "2", *FLAGS]
+    cmd += ["--tp", "2", *FLAGS, *flags]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stderr=log_file, stdout=log_file, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -92,11 +92,15 @@ def test_serve_tp2_answers_like_tp1_and_sigint_stops_every_rank(checkpoint, tmp_
     assert ranks and all(_gone(pid) for pid in ranks)
 
 
+def _rank_process(proc: subprocess.Popen) -> int:
+    return max(pid for pid in _children(proc.pid) if "spawn" in Path(f"/proc/{pid}/cmdline").read_text())
+
+
 def test_killed_rank_fails_the_server_with_a_clear_error(checkpoint, tmp_path):
     log = tmp_path / "killed.log"
     proc, url = _serve_tp2(checkpoint, log)
     try:
-        rank = max(pid for pid in _children(proc.pid) if "spawn" in Path(f"/proc/{pid}/cmdline").read_text())
+        rank = _rank_process(proc)
         os.kill(rank, signal.SIGKILL)
         start = time.monotonic()
         code = proc.wait(30)
@@ -106,3 +110,25 @@ def test_killed_rank_fails_the_server_with_a_clear_error(checkpoint, tmp_path):
             proc.wait()
     assert code == 1 and time.monotonic() - start < 30
     assert "rank 1 exited with code -9; every rank was stopped" in log.read_text()
+
+
+def test_stuck_rank_times_out_the_step_and_stops_the_server(checkpoint, tmp_path):
+    """A rank that hangs (SIGSTOP) is not dead: the step's collective times out (--dist-timeout), the request gets
+    an error, and the server stops every rank and exits 1."""
+    log = tmp_path / "stuck.log"
+    proc, url = _serve_tp2(checkpoint, log, "--dist-timeout", "5")
+    rank = _rank_process(proc)
+    try:
+        os.kill(rank, signal.SIGSTOP)
+        start = time.monotonic()
+        body = {"model": checkpoint, "prompt": "hi", "max_tokens": 4}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 500
+        code = proc.wait(40)
+        assert code == 1 and time.monotonic() - start < 40
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signal.SIGKILL)
+    assert "Timed out" in log.read_text() and "every rank was stopped" in log.read_text()

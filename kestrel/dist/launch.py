@@ -37,6 +37,15 @@ def job_failed() -> bool:
     return bool(_FAILED)
 
 
+def fail_job(reason: str) -> None:
+    """Rank 0: the job cannot go on (a rank died, a collective failed or timed out): stop as Ctrl-C would."""
+    if _FAILED:
+        return
+    _FAILED.append(reason)
+    log.error("%s; stopping every rank", reason)
+    _thread.interrupt_main(signal.SIGINT)  # the server shuts down, `generate` unwinds; run_ranks raises RankFailure
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,8 +116,12 @@ def run_ranks(
         groups = init_rank(layout, rank, addr, device, timeout_s, local_rank)
         try:
             return main(groups) if rank == 0 else follow(groups)
+        except BaseException:
+            if not _FAILED:
+                raise
         finally:
             shutdown_rank()
+        raise RankFailure(f"{_FAILED[0]}; this rank stopped")
     if layout.world % nnodes:
         raise ConfigError(f"nnodes: {layout.world} ranks do not split over {nnodes} nodes")
     if nnodes > 1 and init_addr is None:
@@ -142,7 +155,7 @@ def run_ranks(
         shutdown_rank()
         _join(ctx, timeout_s)
     if _FAILED:
-        raise RankFailure(_FAILED[0])
+        raise RankFailure(f"{_FAILED[0]}; every rank was stopped")
     return result
 
 
@@ -151,12 +164,10 @@ def _watch(ctx, stop: threading.Event) -> None:
     while not stop.wait(0.2):
         for i, p in enumerate(ctx.processes):
             if p.exitcode is not None and not stop.is_set():
-                _FAILED.append(f"rank {i + 1} exited with code {p.exitcode}; every rank was stopped")
-                log.error("rank %d exited with code %s; stopping every rank", i + 1, p.exitcode)
                 for q in ctx.processes:
                     if q.is_alive():
                         q.kill()
-                _thread.interrupt_main(signal.SIGINT)  # as Ctrl-C: the server shuts down, `generate` unwinds
+                fail_job(f"rank {i + 1} exited with code {p.exitcode}")
                 return
 
 

@@ -16,6 +16,7 @@ import torch
 from kestrel.cache.pool_io import PoolIO
 from kestrel.dist import comm
 from kestrel.dist.groups import Groups
+from kestrel.dist.launch import fail_job
 from kestrel.dist.dp_attention import DPStep, gather_rows, set_dp_step
 from kestrel.engine.model_runner import ModelRunner, StepInputs, StepLogits, prompt_logit_chunks
 from kestrel.engine.scheduler import SchedulePlan
@@ -179,12 +180,20 @@ class DistModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
         group_plans = getattr(plan, "group_plans", None)
+        if group_plans is not None and prompt_logit_chunks(plan):
+            raise ValueError("prompt_logprobs: not supported with attention DP (--dp-attn > 1) yet")
+        if group_plans is not None and (routed or any(c.request.routed_experts is not None for c in plan.chunks)):
+            raise ValueError("return_routed_experts: not supported with attention DP (--dp-attn > 1) yet")
+        try:
+            return self._execute(plan, routed, group_plans)
+        except Exception as exc:  # once the step is broadcast, the other ranks wait in collectives: no going on
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            fail_job(f"step failed on rank 0 ({reason})")
+            raise
+
+    def _execute(self, plan: SchedulePlan, routed: bool, group_plans) -> tuple[StepLogits, ForwardBatch]:
         if group_plans is None:
             return super().execute(plan, routed)
-        if prompt_logit_chunks(plan):
-            raise ValueError("prompt_logprobs: not supported with attention DP (--dp-attn > 1) yet")
-        if routed or any(c.request.routed_experts is not None for c in plan.chunks):
-            raise ValueError("return_routed_experts: not supported with attention DP (--dp-attn > 1) yet")
         messages = [self._message(p, g) for g, p in enumerate(group_plans)]
         send_step(messages, self.groups)
         sample, batch = self._run_dp(messages)
