@@ -18,7 +18,7 @@ from torch import nn
 
 from kestrel.dist import comm
 from kestrel.dist.groups import Group
-from kestrel.dist.parallel import _meta_param, set_slicer, shard_range
+from kestrel.dist.parallel import empty_param, set_slicer, shard_range
 from kestrel.models.layers.moe import Experts, GatedActivation, segment_linear
 from kestrel.models.weight_loaders import SKIP, expert_loader, set_loader
 
@@ -67,8 +67,8 @@ class ParallelExperts(nn.Module):
         self.register_buffer("owner_of", torch.tensor(owners, dtype=torch.long, device="cpu"), persistent=False)
         self._local = {e: i for i, e in enumerate(self.local_experts)}
         n = len(self.local_experts)
-        self.gate_up_proj = _meta_param((n, 2 * inter, hidden), base.gate_up_proj)
-        self.down_proj = _meta_param((n, hidden, inter), base.down_proj)
+        self.gate_up_proj = empty_param((n, 2 * inter, hidden), base.gate_up_proj)
+        self.down_proj = empty_param((n, hidden, inter), base.down_proj)
         for param, halves, dim in ((self.gate_up_proj, True, 0), (self.down_proj, False, 1)):
             inner = expert_loader(halves)
             set_loader(

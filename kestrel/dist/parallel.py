@@ -17,7 +17,7 @@ from torch import nn
 from kestrel.dist import comm
 from kestrel.dist.groups import Group
 from kestrel.models.layers.linear import FusedLinear
-from kestrel.models.weight_loaders import SKIP, ShapeMismatch, set_loader, stacked_loader
+from kestrel.models.weight_loaders import ShapeMismatch, set_loader, stacked_loader
 
 Slicer = Callable[[Any, tuple[int, ...]], Any]
 
@@ -45,7 +45,8 @@ def set_slicer(param: torch.Tensor, slicer: Slicer) -> None:
     param.checkpoint_slice = slicer  # type: ignore[attr-defined]
 
 
-def _meta_param(shape: tuple[int, ...], like: torch.Tensor) -> nn.Parameter:
+def empty_param(shape: tuple[int, ...], like: torch.Tensor) -> nn.Parameter:
+    """An uninitialised parameter of `like`'s dtype and device (meta while sharding)."""
     return nn.Parameter(torch.empty(shape, dtype=like.dtype, device=like.device), requires_grad=False)
 
 
@@ -166,21 +167,10 @@ def split_vector(param: nn.Parameter, group: Group, what: str) -> nn.Parameter:
     """A per-head or per-channel vector split over the group (dt_bias, A_log); keeps its loader."""
     full = param.shape[0]
     start, n = shard_range(full, group, what)
-    out = _meta_param((n,), param)
+    out = empty_param((n,), param)
     for attr in ("weight_loader", "weight_shards"):
         if hasattr(param, attr):
             setattr(out, attr, getattr(param, attr))
     set_slicer(out, dim_slicer(0, start, n, full=full))
     return out
 
-
-__all__ = [
-    "SKIP",
-    "ColumnParallelLinear",
-    "ParallelFusedLinear",
-    "ParallelLMHead",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "split_conv1d",
-    "split_vector",
-]
