@@ -2,8 +2,8 @@
 
 Two dispatch/combine schemes, equal up to summation order:
 - `allgather`: every rank sees every token of the MoE group (gathered from the attention-DP groups), runs its own
-  experts on the (token, expert) pairs that chose them, and the partial sums are reduce-scattered back (an
-  all-reduce when there is one attention group).
+  experts on the (token, expert) pairs that chose them, and the partial sums are all-reduced (one attention group)
+  or reduce-scattered back to the groups (attention DP, `dp_attention.DPGathered`).
 - `alltoall`: each rank takes an equal share of the tokens, sends each (token, expert) pair to the expert's owner,
   the owner sends back weight·expert(x), and the shares are all-gathered. Needs whole experts per rank (moe_tp 1).
 Pairs with expert id -1 (padding rows, idle attention groups) are routed to no expert.
@@ -60,6 +60,7 @@ class ParallelExperts(nn.Module):
         n_experts, two_inter, hidden = base.gate_up_proj.shape
         start, inter = shard_range(two_inter // 2, moe_tp, "moe_intermediate_size")
         self.owners, self.ep, self.world, self.dispatch, self.act = owners, ep, world, dispatch, base.act
+        self.reduce = True  # False: return this rank's partial sum (attention DP reduce-scatters it)
         self.local_experts = [e for e, o in enumerate(owners) if o == ep.rank]
         local_of = torch.full((n_experts,), -1, dtype=torch.long, device="cpu")
         local_of[self.local_experts] = torch.arange(len(self.local_experts), device="cpu")
@@ -96,7 +97,7 @@ class ParallelExperts(nn.Module):
         out = local_expert_sum(
             x, token_of, local[mine], weights.reshape(-1)[mine], self.gate_up_proj, self.down_proj, self.act, len(x)
         )
-        return comm.all_reduce(out, self.world)
+        return comm.all_reduce(out, self.world) if self.reduce else out
 
     def _all_to_all(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Tokens are the same on every rank: each takes its share, dispatches its pairs, combines, all-gathers."""
@@ -122,5 +123,7 @@ class ParallelExperts(nn.Module):
             gx.to(x.dtype), rows, local, gw.squeeze(1), self.gate_up_proj, self.down_proj, self.act, len(got)
         )
         back = comm.all_to_all(y, recv_counts, send_counts, self.world)
+        if not self.reduce:  # a partial sum: this rank's share of the rows, zeros elsewhere
+            return x.new_zeros(t, x.shape[1]).index_add_(0, tokens, back)
         out = x.new_zeros(share, x.shape[1]).index_add_(0, tokens - lo, back)
         return comm.all_gather(out, self.world)[:t]

@@ -75,10 +75,15 @@ class RowParallelLinear(nn.Linear):
         super().__init__(n, base.out_features, bias=base.bias is not None, device=base.weight.device)
         self.to(base.weight.dtype)
         self.group = group
+        self.reduce = True  # False: return this rank's partial sum (a caller reduces it, e.g. reduce-scatter)
         set_slicer(self.weight, dim_slicer(1, start, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = comm.all_reduce(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = comm.all_reduce(y, self.group)
+        elif self.group.rank != 0:
+            return y  # the bias joins the sum once, from the group's first rank
         return y + self.bias if self.bias is not None else y
 
 

@@ -153,7 +153,7 @@ def load_sharded_model(
     materialize(model, torch.device(device))
     load_weights(model, path, progress=groups.rank == 0)
     if groups.layout.dp_attn > 1:  # the embedding and MLPs run over every group's rows (wrapped once loaded)
-        model.model.embed_tokens = DPGathered(model.model.embed_tokens, groups.attn_dp)
+        model.model.embed_tokens = DPGathered(model.model.embed_tokens, groups)
         for layer in model.model.layers:
-            layer.mlp = DPGathered(layer.mlp, groups.attn_dp)
+            layer.mlp = DPGathered(layer.mlp, groups)
     return model.eval(), cfg
