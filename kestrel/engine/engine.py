@@ -21,7 +21,7 @@ from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
-from kestrel.dist.dp_attention import dp_scheduling
+from kestrel.dist.dp_scheduler import dp_scheduling
 from kestrel.dist.engine_ranks import engine_groups
 from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
