@@ -38,10 +38,17 @@ def spawn_ranks(fn: Callable[..., Any], layout: ParallelLayout, *args: Any, time
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     procs = [ctx.Process(target=_entry, args=(r, layout, addr, fn, args, results)) for r in range(layout.world)]
-    for p in procs:
-        p.start()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the children only: 2 cores, up to 4 ranks
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
     got: dict[int, Any] = {}
     try:
         while len(got) < layout.world:
