@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -42,8 +43,9 @@ def follow_engine(config, groups: Groups) -> None:
     device = resolve_device(config.device)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # as the Engine does: the same numbers on every rank
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # Default: this machine's cores shared among its ranks (torch's default would give each rank all of them).
+        per_node = groups.layout.world // config.nnodes
+        torch.set_num_threads(config.num_threads or max(1, len(os.sched_getaffinity(0)) // per_node))
     path = Path(config.model) if config.model else builtin_model_path()
     model, _ = load_sharded_model(path, groups, DTYPES[config.dtype], device, config.moe_dispatch)
     DistModelRunner.follower(model, DTYPES[config.dtype], groups).follow()
