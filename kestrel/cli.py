@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kestrel.dist.launch import RankFailure
 from kestrel.engine.config import EngineConfig
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 from kestrel.server.args import add_server_args
@@ -60,17 +61,23 @@ def check_device(name: str) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kestrel import LLM, SamplingParams
+    from kestrel.dist.engine_ranks import run_engine
 
     check_device(args.device)
-    llm = LLM(args.model, **engine_kwargs(args))
-    if llm.tokenizer is None:
-        print(f"error: {args.model} has no tokenizer.json; cannot encode --prompt", file=sys.stderr)
-        return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
-    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
-    print(args.prompt + out.outputs[0].text)
-    llm.close()
-    return 0
+
+    def main() -> int:  # rank 0 (the only rank without --tp)
+        llm = LLM(args.model, **engine_kwargs(args))
+        if llm.tokenizer is None:
+            print(f"error: {args.model} has no tokenizer.json; cannot encode --prompt", file=sys.stderr)
+            return 2
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+        print(args.prompt + out.outputs[0].text)
+        llm.close()
+        return 0
+
+    code = run_engine(EngineConfig(model=args.model, **engine_kwargs(args)), main)
+    return 0 if code is None else code  # None: a rank on another node
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -94,9 +101,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if logging.getLogger("kestrel").getEffectiveLevel() > logging.INFO:
         logging.getLogger("kestrel").setLevel(logging.INFO)  # capacity and URL are what an operator needs to see
+    from kestrel.dist.engine_ranks import run_engine
+
     config = server_config(args)
     check_device(args.device)
-    serve(EngineConfig(model=args.model, **engine_kwargs(args)), config)  # returns after SIGINT/SIGTERM
+    engine_config = EngineConfig(model=args.model, **engine_kwargs(args))
+    run_engine(engine_config, lambda: serve(engine_config, config))  # returns after SIGINT/SIGTERM
     return 0
 
 
@@ -141,14 +151,14 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         if f.name == "model":
             continue
         default = defaults.get(f.name, f.default)
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]  # SGLang's names as aliases
         if "bool" in str(f.type):
             action = argparse.BooleanOptionalAction
-            parser.add_argument(flag, action=action, default=default, dest=f.name, help=f.metadata["help"])
+            parser.add_argument(*flags, action=action, default=default, dest=f.name, help=f.metadata["help"])
             continue
         kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
         choices = f.metadata.get("choices")
-        parser.add_argument(flag, type=kind, default=default, dest=f.name, choices=choices, help=f.metadata["help"])
+        parser.add_argument(*flags, type=kind, default=default, dest=f.name, choices=choices, help=f.metadata["help"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -309,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RankFailure as exc:  # --tp: a rank died, the others were stopped
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

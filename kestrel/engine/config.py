@@ -67,6 +67,36 @@ class EngineConfig:
     compile_max_bs: int = field(default=8, metadata={"help": "largest decode batch compiled on CPU"})
     cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest decode batch captured as a CUDA graph"})
 
+    # Parallelism (kestrel.dist): one process per rank; rank 0 schedules and samples, the others follow.
+    tp: int = field(default=1, metadata={"help": "tensor-parallel ranks", "aliases": ["--tp-size"]})
+    ep: int = field(default=1, metadata={"help": "expert-parallel groups within --tp", "aliases": ["--ep-size"]})
+    dp_attn: int = field(
+        default=1, metadata={"help": "attention data-parallel groups within --tp", "aliases": ["--dp-size"]}
+    )
+    enable_dp_attention: bool = field(
+        default=False, metadata={"help": "SGLang's switch; --dp-size is then the attention-DP size (as --dp-attn)"}
+    )
+    moe_dispatch: str = field(
+        default="allgather",
+        metadata={"help": "MoE token dispatch over expert ranks", "choices": ("allgather", "alltoall")},
+    )
+    ep_expert_map: str | None = field(
+        default=None, metadata={"help": "owner EP rank of each expert, comma-separated (default: equal blocks)"}
+    )
+    nnodes: int = field(default=1, metadata={"help": "machines the ranks span"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's index among --nnodes"})
+    dist_init_addr: str | None = field(
+        default=None, metadata={"help": "HOST:PORT of node 0's rendezvous (default: a free local port)"}
+    )
+    dist_timeout: float = field(default=60.0, metadata={"help": "seconds before a stuck collective fails the job"})
+
+    def parallel_layout(self):
+        """The `kestrel.dist` layout these options ask for."""
+        from kestrel.dist.groups import ParallelLayout
+
+        owners = tuple(int(x) for x in self.ep_expert_map.split(",")) if self.ep_expert_map else None
+        return ParallelLayout(tp=self.tp, ep=self.ep, dp_attn=self.dp_attn, expert_map=owners)
+
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, why: str) -> None:
             if not cond:
@@ -92,6 +122,18 @@ class EngineConfig:
         need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
+        for name in ("tp", "ep", "dp_attn", "nnodes"):
+            need(getattr(self, name) >= 1, name, "must be >= 1")
+        need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
+        need(self.dist_timeout > 0, "dist_timeout", "must be > 0 seconds")
+        need(self.moe_dispatch in ("allgather", "alltoall"), "moe_dispatch", "allgather|alltoall")
+        if self.ep_expert_map is not None:
+            owners = self.ep_expert_map.split(",")
+            need(all(x.strip().isdigit() for x in owners), "ep_expert_map", "ints, comma-separated")
+        self.parallel_layout().validate()
+        if self.tp > 1:
+            need(not self.compile, "compile", "not supported with --tp > 1 yet")
+            need(self.hicache_size == 0 and self.hicache_storage_dir is None, "hicache_size", "not with --tp > 1 yet")
         need(
             self.hicache_write_policy in HICACHE_WRITE_POLICIES,
             "hicache_write_policy",

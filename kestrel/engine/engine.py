@@ -18,10 +18,13 @@ import torch
 
 from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
-from kestrel.cache.pool_io import PoolIO
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
+from kestrel.dist.dp_scheduler import dp_scheduling
+from kestrel.dist.engine_ranks import engine_groups
+from kestrel.dist.runner import DistModelRunner
+from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
@@ -96,7 +99,13 @@ class Engine:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
         path = Path(config.model) if config.model else builtin_model_path()
-        self.model, self.model_config = load_model(path, DTYPES[config.dtype], self.device)
+        self.groups = engine_groups(config)
+        if self.groups is None:
+            self.model, self.model_config = load_model(path, DTYPES[config.dtype], self.device)
+        else:  # this rank's shard; `model.cfg` is the rank's view (its heads), `model_config` the whole model's
+            self.model, self.model_config = load_sharded_model(
+                path, self.groups, DTYPES[config.dtype], self.device, config.moe_dispatch
+            )
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -108,15 +117,11 @@ class Engine:
         compile_max_bs = 0
         if config.compile:
             compile_max_bs = config.cuda_graph_max_bs if self.device.type == "cuda" else config.compile_max_bs
-        self.runner = ModelRunner(
-            self.model,
-            num_pages,
-            config.page_size,
-            max(num_slots, 1),
-            DTYPES[config.dtype],
-            compile_max_bs,
-            config.kv_cache_dtype,
-        )
+        pools = (self.model, num_pages, config.page_size, max(num_slots, 1), DTYPES[config.dtype])
+        if self.groups is None:
+            self.runner = ModelRunner(*pools, compile_max_bs, config.kv_cache_dtype)
+        else:
+            self.runner = DistModelRunner(*pools, self.groups, config.kv_cache_dtype)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.hicache: HiCache | None = None
@@ -130,7 +135,7 @@ class Engine:
             self.cache = RadixCache(
                 self.pages,
                 self.slots,
-                PoolIO(self.runner.kv, self.runner.states, config.page_size),
+                self.runner.pool_io(),
                 config.state_track_interval,
                 config.max_states_per_path,
                 self.hicache,
@@ -145,6 +150,8 @@ class Engine:
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
         )
+        if self.groups is not None and self.groups.layout.dp_attn > 1:  # a scheduler and pools per attention group
+            self.pages, self.slots, self.cache, self.scheduler = dp_scheduling(self, num_pages, num_slots)
         self.eos_token_ids = set(eos)
         self.sampler = Sampler(eos, seed=config.seed)
         self._arrivals = itertools.count()
@@ -176,13 +183,13 @@ class Engine:
         return 2 * config.max_running_requests + checkpoints
 
     def _num_pages(self, num_slots: int) -> int:
-        cfg, config = self.model_config, self.config
+        config = self.config
         if config.max_total_tokens is not None:
             tokens = config.max_total_tokens
         else:
             per_token = max(self.kv_bytes_per_token, 1)
             budget = free_memory_bytes(self.device) * config.mem_fraction
-            budget -= num_slots * state_bytes_per_slot(cfg, DTYPES[config.dtype])
+            budget -= num_slots * state_bytes_per_slot(self.model.cfg, DTYPES[config.dtype])  # this rank's heads
             tokens = int(budget // per_token)
             tokens = min(tokens, config.max_running_requests * self.max_model_len)
         if tokens < config.page_size:
@@ -223,6 +230,10 @@ class Engine:
             raise ValueError(f"prompt: token ids must be ints in [0, {self.model_config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is longer than the context ({self.max_model_len - 1} max)")
+        if self.groups is not None and self.groups.layout.dp_attn > 1:  # see DistModelRunner.execute
+            if params.prompt_logprobs is not None or return_routed_experts:
+                field = "prompt_logprobs" if params.prompt_logprobs is not None else "return_routed_experts"
+                raise ValueError(f"{field}: not supported with attention DP (--dp-attn > 1) yet")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")

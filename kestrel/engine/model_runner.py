@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kestrel.cache.kv_pool import KVStorage, make_kv_storage
+from kestrel.cache.pool_io import PoolIO
 from kestrel.cache.state_pool import StateStorage
 from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.scheduler import SchedulePlan
@@ -160,6 +161,14 @@ class ModelRunner:
 
         `pad_to` > len(plan.chunks) adds decode rows on the scratch page and slot (a compiled batch-size bucket).
         """
+        inputs, copies = self.step_inputs(plan, pad_to)
+        if self.states is not None and plan.fresh_slots:
+            self.states.reset(plan.fresh_slots)
+        batch, rows = self.build(inputs)
+        return batch, rows, copies
+
+    def step_inputs(self, plan: SchedulePlan, pad_to: int = 0) -> tuple[StepInputs, list[tuple[int, int]]]:
+        """The plan's integers (see `prepare`) and the decode rows' state-slot copies, before any tensor exists."""
         inputs = StepInputs()
         nd = 0
         for i, c in enumerate(plan.chunks):
@@ -179,10 +188,11 @@ class ModelRunner:
         copies = [(c.request.slot, slot) for c in plan.chunks[:nd] for _, slot, _ in c.snapshots]
         for _ in range(len(plan.chunks), pad_to):
             inputs.add([0], 0, [self.scratch_page], self.scratch_slot, False, [], [])
-        if self.states is not None and plan.fresh_slots:
-            self.states.reset(plan.fresh_slots)
-        batch, rows = self.build(inputs)
-        return batch, rows, copies
+        return inputs, copies
+
+    def pool_io(self) -> PoolIO:
+        """The prefix cache's access to the pools (a distributed runner replays its state copies on every rank)."""
+        return PoolIO(self.kv, self.states, self.page_size)
 
     def build(self, inputs: StepInputs) -> tuple[ForwardBatch, torch.Tensor]:
         """Lists → one metadata tensor (copied to the device once) → ForwardBatch with its paged cache view."""
@@ -226,12 +236,17 @@ class ModelRunner:
         if batch.routed_experts:
             _record_routed_experts(plan, batch, rows)
         sample = self.model.logits(hidden[rows])
-        prompt = {
-            i: self.model.logits(hidden[batch.seq_slice(i)])
-            for i, c in enumerate(plan.chunks)
-            if c.request.params.prompt_logprobs is not None and c.start < len(c.request.prompt_ids)
-        }
+        prompt = {i: self.model.logits(hidden[batch.seq_slice(i)]) for i in prompt_logit_chunks(plan)}
         return StepLogits(sample, prompt), batch
+
+
+def prompt_logit_chunks(plan: SchedulePlan) -> list[int]:
+    """Chunks whose every row needs logits (prompt logprobs), in plan order."""
+    return [
+        i
+        for i, c in enumerate(plan.chunks)
+        if c.request.params.prompt_logprobs is not None and c.start < len(c.request.prompt_ids)
+    ]
 
 
 def _record_routed_experts(plan: SchedulePlan, batch: ForwardBatch, sample_rows: torch.Tensor) -> None:

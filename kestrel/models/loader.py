@@ -22,7 +22,7 @@ from tqdm import tqdm
 from kestrel.config import ModelConfig, load_model_config
 from kestrel.models.decoder import CausalLM
 from kestrel.models.layers.linear import FusedLinear
-from kestrel.models.weight_loaders import FULL, ShapeMismatch, loader_of
+from kestrel.models.weight_loaders import FULL, SKIP, ShapeMismatch, loader_of, slice_of
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, path: str | Path) -> None:
-    """Stream every tensor of the checkpoint into `model`; raise one error listing all problems."""
+def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> None:
+    """Stream every tensor of the checkpoint into `model`; raise one error listing all problems.
+
+    A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0).
+    """
     path = Path(path)
     files = checkpoint_files(path)
     params = dict(model.named_parameters())
@@ -123,7 +126,8 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
     fused = fused_names(model)
     part_names = {target: name for name, target in fused.items()}
     total = sum(f.stat().st_size for f in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=total < PROGRESS_BAR_MIN_BYTES) as bar:
+    quiet = not progress or total < PROGRESS_BAR_MIN_BYTES
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=quiet) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for ckpt_name in f.keys():
@@ -138,11 +142,15 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
                     if target is None:
                         unexpected.append(ckpt_name)
                         continue
+                    index = slice_of(target, shard, tuple(f.get_slice(ckpt_name).get_shape()))
+                    if index == SKIP:  # another rank's shard (tensor / expert parallel)
+                        continue
                     fn, shards = loader_of(target)
                     if shard not in shards and shard != FULL:
                         unexpected.append(ckpt_name)
                         continue
-                    tensor = f.get_tensor(ckpt_name).to(device=target.device, dtype=target.dtype)
+                    tensor = f.get_tensor(ckpt_name) if index is None else f.get_slice(ckpt_name)[index]
+                    tensor = tensor.to(device=target.device, dtype=target.dtype)
                     try:
                         fn(target, tensor, shard)
                     except ShapeMismatch as exc:

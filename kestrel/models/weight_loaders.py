@@ -13,6 +13,8 @@ import torch
 
 WeightLoader = Callable[[torch.Tensor, torch.Tensor, Any], None]
 FULL = "full"
+# A sharded parameter's `checkpoint_slice(shard, disk_shape)` returns this for a tensor its rank does not hold.
+SKIP = "skip"
 
 
 class ShapeMismatch(ValueError):
@@ -92,3 +94,9 @@ def set_loader(param: torch.Tensor, fn: WeightLoader, shards: Iterable[Any] | No
 
 def loader_of(param: torch.Tensor) -> tuple[WeightLoader, frozenset]:
     return getattr(param, "weight_loader", default_loader), getattr(param, "weight_shards", frozenset({FULL}))
+
+
+def slice_of(param: torch.Tensor, shard: Any, disk_shape: tuple[int, ...]) -> Any:
+    """The part of a checkpoint tensor this rank reads: None (all of it), an index tuple, or SKIP (none)."""
+    slicer = getattr(param, "checkpoint_slice", None)
+    return slicer(shard, disk_shape) if slicer is not None else None

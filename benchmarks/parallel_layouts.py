@@ -1,0 +1,117 @@
+"""Parallel layouts on one machine: per-rank weight and cache memory, decode step time, collective bytes per step.
+
+For each layout (one process; TP2; TP2·EP2; attention-DP2·TP2) the same small kimi_k3 checkpoint serves the same
+decode batch: `--batch` greedy requests of `--prompt-len` tokens are prefilled, then `--steps` pure decode steps are
+timed one by one. Rank 0 reports its parameter bytes, the bytes of the KV pages and KDA state slots it allocated,
+the median decode step, and the bytes its collectives moved in a decode step (counted in `kestrel.dist.comm`, by
+op: the step-plan broadcast and the model's all-reduce / all-gather / all-to-all). Every rank of these layouts
+holds the same amount (tests/test_dist_plan.py). On a 2-core machine speed-ups are not expected: memory per rank
+and bytes per step are the figures; the time ratio to one process is printed for completeness.
+
+    .venv/bin/python benchmarks/parallel_layouts.py --batch 8 --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from report import write_result
+
+from kestrel import LLM, SamplingParams
+from kestrel.dist import comm, memory
+from kestrel.dist.engine_ranks import run_engine
+from kestrel.engine.config import EngineConfig
+from kestrel.models.checkpoint import make_model
+
+RESULTS = Path(__file__).resolve().parent / "results" / "parallel_layouts.json"
+LAYOUTS = {
+    "1": dict(tp=1),
+    "TP2": dict(tp=2),
+    "TP2·EP2": dict(tp=2, ep=2),
+    "DP-attn2·TP2": dict(tp=2, dp_attn=2),
+}
+
+
+def measure(path: str, args: argparse.Namespace, layout: dict) -> dict:
+    """Rank 0: prefill the batch, then time decode steps and count their collective bytes."""
+    config = dict(max_total_tokens=4096, max_running_requests=args.batch, num_threads=args.threads, **layout)
+    llm = LLM(path, **config)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request(torch.randint(3, 4000, (args.prompt_len,), generator=gen).tolist(), params)
+    while any(r.computed_len < len(r.prompt_ids) for r in [*engine.scheduler.running, *engine.scheduler.waiting]):
+        engine.step()
+    times, moved = [], []
+    for _ in range(args.steps):
+        comm.reset_counters()
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        moved.append(dict(comm.BYTES))
+    runner = engine.runner
+    cache = sum(t.numel() * t.element_size() for t in runner.kv._tensors())
+    states = runner.states
+    state_bytes = sum(t.numel() * t.element_size() for t in [*states.conv.values(), *states.recurrent.values()])
+    ops = sorted({op for m in moved for op in m})
+    result = {
+        "weight_bytes_per_rank": memory.weight_bytes(engine.model),
+        "kv_bytes_per_rank": cache,
+        "kda_state_bytes_per_rank": state_bytes,
+        "kv_bytes_per_token_per_rank": memory.kv_bytes_per_token(runner.kv),
+        "kda_state_bytes_per_request_per_rank": memory.state_bytes_per_slot(states),
+        "decode_step_s_median": statistics.median(times),
+        "collective_bytes_per_decode_step": {op: statistics.median(m.get(op, 0) for m in moved) for op in ops},
+    }
+    while engine.has_unfinished:
+        engine.step()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_model("kimi_k3", "small", Path(tmp) / "k3", seed=0))
+        for name, layout in LAYOUTS.items():
+            config = EngineConfig(model=path, num_threads=args.threads, **layout)
+            results[name] = run_engine(config, lambda layout=layout: measure(path, args, layout))
+    base = results["1"]["decode_step_s_median"]
+    print(f"kimi_k3 small, batch {args.batch} x {args.prompt_len}-token prompts, {args.threads} thread(s) per rank")
+    print(f"{'layout':<14}{'weights MB':>11}{'KV MB':>8}{'state MB':>9}{'step ms':>9}{'x 1-proc':>9}", end="")
+    print("  bytes/decode step")
+    for name, r in results.items():
+        moved = r["collective_bytes_per_decode_step"]
+        by_op = ", ".join(f"{op} {int(b):,}" for op, b in moved.items()) or "-"
+        print(
+            f"{name:<14}{r['weight_bytes_per_rank'] / 1e6:>11.2f}{r['kv_bytes_per_rank'] / 1e6:>8.2f}"
+            f"{r['kda_state_bytes_per_rank'] / 1e6:>9.2f}{r['decode_step_s_median'] * 1e3:>9.1f}"
+            f"{r['decode_step_s_median'] / base:>9.2f}  {int(sum(moved.values())):,} ({by_op})"
+        )
+    write_result(
+        args.out,
+        "parallel_layouts",
+        model="kimi_k3 small",
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        steps=args.steps,
+        threads_per_rank=args.threads,
+        layouts=results,
+    )
+
+
+if __name__ == "__main__":
+    main()

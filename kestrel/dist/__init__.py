@@ -1,0 +1,1 @@
+"""Tensor, expert and attention-data parallelism over torch.distributed (one process per rank)."""

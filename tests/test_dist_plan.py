@@ -1,0 +1,67 @@
+"""`kestrel plan` and the engine agree per rank: weight bytes, KV bytes per token and KDA state bytes per request
+that the planner prints for a layout are what each rank of that layout allocates (small presets, bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import spawn_ranks
+
+from kestrel.config import load_model_config
+from kestrel.dist.groups import ParallelLayout
+from kestrel.plan import Layout, plan
+
+FAMILIES = ("kimi_linear", "kimi_k3")
+
+
+def _allocated(groups, paths: dict[str, str]) -> dict[str, dict[str, int]]:
+    """Per family: this rank's shard and pools as the engine's runner sizes them (one page, one slot)."""
+    from kestrel.cache.kv_pool import KVStorage
+    from kestrel.cache.state_pool import StateStorage
+    from kestrel.dist import memory
+    from kestrel.dist.tensor_parallel import load_sharded_model
+
+    out = {}
+    for family, path in paths.items():
+        model, _ = load_sharded_model(path, groups, torch.bfloat16)
+        cfg = model.cfg  # the rank's view: what ModelRunner sizes its pools from
+        states = StateStorage(cfg, 1, model.dtype, "cpu") if cfg.kda_layers else None
+        out[family] = {
+            "weights": memory.weight_bytes(model),
+            "fp32_params": memory.fp32_params(model),
+            "kv_per_token": memory.kv_bytes_per_token(KVStorage(cfg, 1, 1, model.dtype, "cpu")),
+            "state_per_request": memory.state_bytes_per_slot(states),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_checkpoints(tmp_path_factory):
+    from kestrel.models.checkpoint import make_model
+
+    root = tmp_path_factory.mktemp("small")
+    return {f: str(make_model(f, "small", root / f, seed=1, dtype=torch.bfloat16)) for f in FAMILIES}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [ParallelLayout(tp=2), ParallelLayout(tp=2, dp_attn=2)],  # experts split inside; whole heads per rank
+    ids=["tp2", "dp-attn2-tp2"],
+)
+def test_plan_equals_what_every_rank_allocates(layout, small_checkpoints):
+    ranks = spawn_ranks(_allocated, layout, small_checkpoints)
+    for family, path in small_checkpoints.items():
+        cfg = load_model_config(path)
+        lay = Layout(
+            gpus=layout.tp, tp=layout.tp, ep=layout.ep, dp_attn=layout.dp_attn, gpu_mem_gib=64, context_len=4096
+        )
+        p = plan(cfg, Layout(**{**vars(lay), "weight_format": "bf16", "kv_format": "bf16"}))
+        for got in ranks:
+            got = got[family]
+            # The planner prices every weight at 2 bytes; the router, A_log and dt_bias stay fp32 (4) in the engine.
+            assert got["weights"] - 2 * got["fp32_params"] == p.weight_bytes_per_rank
+            assert got["state_per_request"] == p.kda_state_bytes_per_request_per_rank
+            # bf16 latents and rope keys; the planner's index keys are FP8 (+ an fp32 scale), the engine's bf16.
+            n_dsa = sum(cfg.layer_kinds[i] == "dsa" for i in cfg.attention_layers)
+            assert got["kv_per_token"] == p.kv_bytes_per_token_per_rank + n_dsa * (cfg.index_head_dim - 4)
+        assert ranks[0][family] == ranks[-1][family]  # every rank of these layouts holds the same amount
