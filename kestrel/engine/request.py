@@ -61,6 +61,7 @@ class Request:
     # None unless asked for; else one entry per output token: MoE layer -> top-k expert ids chosen at the row
     # that sampled it, i.e. when the token at position len(prompt_ids) - 1 + k was the input.
     routed_experts: list[dict[int, list[int]]] | None = None
+    spec: Any = None  # speculative decoding: the request's draft KV and acceptance lengths (kestrel.spec)
 
     @property
     def num_tokens(self) -> int:
