@@ -62,6 +62,7 @@ class DFlashSpeculator:
         scheduler.spec_block = self.block_len
         self.num_verify_steps = 0
         self.num_committed = 0
+        self.accept_hist: dict[int, int] = {}  # tokens committed by a verify block -> how many blocks
 
     # -- before the forward ------------------------------------------------------------------------------
     def block_len(self, req: Request, budget: int) -> int:
@@ -153,6 +154,7 @@ class DFlashSpeculator:
                 c.request.spec.accept_lengths.append(accepted)
                 self.num_verify_steps += 1
                 self.num_committed += accepted
+                self.accept_hist[accepted] = self.accept_hist.get(accepted, 0) + 1
         self._extend_context(plan, batch, {i: accepted for i, _, accepted in verified})
         return committed
 

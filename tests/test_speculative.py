@@ -1,0 +1,257 @@
+"""DFlash speculative decoding: outputs equal plain decoding, KDA rollback is exact, sampling is unbiased."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.models.checkpoint import make_model
+from kestrel.models.loader import load_model
+from kestrel.spec.acceptance import greedy_accept, sampled_accept
+from kestrel.spec.draft import DraftConfig, default_target_layers, random_draft, save_draft
+from kestrel.spec.rollback import replay_bytes_per_request, snapshot_bytes_per_request
+from kestrel.spec.speculator import DFlashSpeculator
+
+NEW_TOKENS = 7
+SMALL_DRAFT = dict(
+    num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, intermediate_size=32
+)
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_checkpoints, hf_kimi_linear, tmp_path_factory):
+    """family -> (target folder, random-weight draft folder)."""
+    root = tmp_path_factory.mktemp("spec")
+    out = {}
+    for family, path in (("kimi_k3", tiny_checkpoints["kimi_k3"]), ("kimi_linear", hf_kimi_linear[1])):
+        model, _ = load_model(path)
+        out[family] = (path, save_draft(random_draft(model, seed=1, **SMALL_DRAFT), root / family))
+    return out
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 30, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lengths]
+
+
+def _greedy(n: int = NEW_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0, **kw)
+
+
+def _spec_llm(path, draft, block: int, replay: bool = False, **kw) -> LLM:
+    kw.setdefault("max_total_tokens", 2048)
+    return LLM(
+        str(path),
+        speculative_algorithm="dflash",
+        speculative_draft_model=str(draft),
+        speculative_num_draft_tokens=block,
+        enable_linear_replayssm_spec=replay,
+        **kw,
+    )
+
+
+def _assert_idle(llm: LLM) -> None:
+    engine = llm.engine
+    stats = engine.stats()
+    assert stats["pages_used"] == 0 and stats["slots_used"] == 0
+    engine.cache.clear()
+    assert engine.pages.num_used == 0 and engine.slots.num_used == 0
+
+
+def _oracle(llm: LLM, reference: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+    """Replace the draft's proposals by the reference continuation with one wrong token at a position that varies
+    with the block's start, so every acceptance length 1..B occurs (a random draft is almost always rejected)."""
+    spec: DFlashSpeculator = llm.engine.spec
+    propose = spec.propose
+
+    def oracle_propose(plan):
+        propose(plan)
+        for c in plan.chunks:
+            if not c.verify:
+                continue
+            req = c.request
+            ref = reference[tuple(req.prompt_ids)] + [0] * 16
+            at = c.start - len(req.prompt_ids) + 1
+            draft = ref[at : at + c.num_tokens - 1]
+            wrong = (c.start * 7 + len(req.prompt_ids)) % (c.num_tokens + 1)  # == n-1 or n: all correct
+            if wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % vocab
+            c.draft = draft
+
+    spec.propose = oracle_propose
+
+
+def test_default_target_layers_spread_over_1_to_L_minus_3():
+    assert default_target_layers(8, 3) == [1, 3, 5]
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]
+    assert DraftConfig(hidden_size=8, vocab_size=16, num_target_layers=4).target_layer_ids == [1]
+
+
+def test_greedy_accept_is_longest_matching_prefix_plus_target_token():
+    assert greedy_accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert greedy_accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert greedy_accept([5, 6, 7], [4, 6, 7, 8]) == [4]
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
+def test_greedy_speculative_equals_plain_for_every_block_size(family, targets):
+    """Random-weight draft: for B = 2..8 and batches of 1, 8 and 32, tokens and logprobs equal plain greedy."""
+    path, draft = targets[family]
+    plain = LLM(str(path), max_total_tokens=2048)
+    vocab = plain.engine.model_config.vocab_size
+    prompts = _prompts(32, vocab, seed=3)
+    want = plain.generate(prompts, _greedy(), use_tqdm=False)
+    for block in range(2, 9):
+        llm = _spec_llm(path, draft, block, replay=block % 2 == 0)
+        for batch in (1, 8, 32):
+            got = llm.generate(prompts[:batch], _greedy(), use_tqdm=False)
+            for a, b in zip(want, got):
+                assert b.outputs[0].token_ids == a.outputs[0].token_ids, (block, batch)
+                assert b.outputs[0].logprobs == pytest.approx(a.outputs[0].logprobs, abs=1e-4)
+        assert llm.engine.spec.num_verify_steps > 0
+        _assert_idle(llm)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["snapshot", "replayssm"])
+@pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
+def test_greedy_equals_plain_when_drafts_are_often_right(family, replay, targets):
+    """Oracle drafts with one planted error: every acceptance length occurs; outputs, logprobs and the freed
+    pages/slots are those of plain decoding, also under preemption, chunked prefill and prefix caching."""
+    path, draft = targets[family]
+    plain = LLM(str(path), max_total_tokens=2048)
+    vocab = plain.engine.model_config.vocab_size
+    prompts = _prompts(12, vocab, seed=5)
+    prompts += [prompts[0][:20] + [7, 8, 9]]  # a shared prefix: a prefix-cache hit
+    n = 20
+    want = plain.generate(prompts, _greedy(n), use_tqdm=False)
+    reference = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, want)}
+    # 192 KV tokens for 13 requests of up to 50 tokens: requests get preempted and recomputed.
+    llm = _spec_llm(path, draft, 6, replay, max_total_tokens=192, page_size=4, state_track_interval=8)
+    llm.engine.scheduler.chunk_cap = 8  # chunked prefill
+    _oracle(llm, reference, vocab)
+    got = llm.generate(prompts, _greedy(n), use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].logprobs == pytest.approx(a.outputs[0].logprobs, abs=1e-4)
+    accept = [o.outputs[0].spec_accept_length for o in got]
+    assert all(a is not None for a in accept) and max(accept) > 2.5, accept
+    assert set(llm.engine.spec.accept_hist) == set(range(1, 7))  # every acceptance length of block 6
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["snapshot", "replayssm"])
+def test_kda_state_after_committing_n_tokens_equals_n_decode_steps(replay, targets):
+    """For every n in 1..B: a verify block that keeps n tokens leaves the KDA slot (conv + recurrent state of
+    every layer) equal to n plain decode steps, and the request's KV length is exactly n tokens longer."""
+    path, draft = targets["kimi_k3"]
+    block = 5
+    plain = LLM(str(path), max_total_tokens=1024, enable_prefix_caching=False)
+    vocab = plain.engine.model_config.vocab_size
+    prompt = _prompts(1, vocab, seed=9)[0]
+    ref = plain.generate([prompt], _greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    for n in range(1, block + 1):
+        # Plain: prefill (samples token 1), then n decode steps.
+        eng = LLM(str(path), max_total_tokens=1024, enable_prefix_caching=False).engine
+        eng.add_request(prompt, _greedy(12))
+        for _ in range(n + 1):
+            eng.step()
+        want_req = eng.scheduler.running[0]
+        # Speculative: prefill, then one verify block whose drafts are right for exactly n - 1 tokens.
+        spec_llm = _spec_llm(path, draft, block, replay, max_total_tokens=1024, enable_prefix_caching=False)
+        spec = spec_llm.engine
+        spec.add_request(prompt, _greedy(12))
+        spec.step()
+        drafts = ref[1:block]
+        if n < block:
+            drafts[n - 1] = (drafts[n - 1] + 1) % vocab
+        propose = spec.spec.propose
+
+        def forced(plan, drafts=drafts, propose=propose):
+            propose(plan)
+            (chunk,) = plan.chunks
+            assert chunk.verify and chunk.num_tokens == block
+            chunk.draft = list(drafts)
+
+        spec.spec.propose = forced
+        spec.step()
+        req = spec.scheduler.running[0]
+        assert req.output_ids == ref[: n + 1] == want_req.output_ids
+        assert req.computed_len == want_req.computed_len == len(prompt) + n
+        assert len(req.pages) == spec.pages.pages_for(req.computed_len)  # rejected positions' pages are free
+        for layer in spec.model_config.kda_layers:
+            for kind in ("conv", "recurrent"):
+                got = getattr(spec.runner.states, kind)[layer][req.slot]
+                exp = getattr(eng.runner.states, kind)[layer][want_req.slot]
+                torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-4, msg=f"n={n} layer {layer} {kind}")
+        assert spec.slots.num_used == 1  # snapshot slots went back
+
+
+def test_rollback_memory_per_request_is_reported():
+    model, cfg = load_model(make_model("kimi_k3", "tiny", "/tmp/kestrel-spec-mem", seed=0))
+    snap = snapshot_bytes_per_request(cfg, 7, torch.float32)
+    replay = replay_bytes_per_request(cfg, 7, torch.float32)
+    c = cfg.kda_num_heads * cfg.kda_head_dim
+    per_slot = len(cfg.kda_layers) * (3 * c * (cfg.kda_conv_size - 1) + cfg.kda_num_heads * cfg.kda_head_dim**2) * 4
+    assert snap == 6 * per_slot
+    assert replay == 7 * len(cfg.kda_layers) * (3 * c + c + cfg.kda_num_heads) * 4
+    assert replay < snap
+
+
+def _chi_square_p(observed: list[int], expected: list[float]) -> float:
+    """p-value of Pearson's chi-square goodness of fit (df = cells - 1)."""
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    df = sum(e > 0 for e in expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_sampled_accept_commits_tokens_distributed_as_the_target():
+    """Drafts from q, accepted with min(1, p/q), residual on rejection: the first committed token follows p_0
+    and, when the first draft was kept, the second follows p_1 (chi-square, fixed seeds)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, trials = 6, 20000
+    p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, dim=-1).double()
+    q = torch.softmax(torch.randn(2, vocab, generator=gen) * 1.5, dim=-1).double()
+    first, second = [0] * vocab, [0] * vocab
+    for _ in range(trials):
+        drafts = torch.multinomial(q, 1, generator=gen).squeeze(1).tolist()
+        out = sampled_accept(drafts, p, q, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+    assert _chi_square_p(first, (p[0] * trials).tolist()) > 1e-3
+    kept = sum(second)
+    assert kept > 2000
+    assert _chi_square_p(second, (p[1] * kept).tolist()) > 1e-3
+
+
+def test_sampled_speculative_preserves_the_sampling_distribution(tmp_path):
+    """Tiny-vocabulary target: the joint distribution of the first three sampled tokens is the same with and
+    without speculation (two-sample chi-square over all 8^3 = 512 cells would be sparse; use the 64 pairs of
+    tokens 2 and 3, which come from verify blocks)."""
+    path = make_model("kimi_linear", "tiny", tmp_path / "t", seed=4, vocab_size=8)
+    model, _ = load_model(path)
+    draft = save_draft(random_draft(model, seed=2, std=0.3, **SMALL_DRAFT), tmp_path / "d")
+    n = 3000
+    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    prompt = [3, 5, 1, 7]
+
+    def counts(llm: LLM) -> list[int]:
+        cells = [0] * 64
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        for o in outs:
+            t = o.outputs[0].token_ids
+            cells[t[1] * 8 + t[2]] += 1
+        return cells
+
+    plain = counts(LLM(str(path), max_total_tokens=8192, max_running_requests=128))
+    spec_llm = _spec_llm(path, draft, 3, max_total_tokens=8192, max_running_requests=128)
+    spec = counts(spec_llm)
+    assert spec_llm.engine.spec.num_committed > 1.3 * spec_llm.engine.spec.num_verify_steps  # drafts were kept
+    stat = sum((a - b) ** 2 / (a + b) for a, b in zip(plain, spec) if a + b)
+    df = sum(1 for a, b in zip(plain, spec) if a + b) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+    assert p_value > 1e-3, (p_value, plain, spec)
