@@ -68,6 +68,7 @@ class CompletionOutput:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
     error: str | None = None
     spec_accept_length: float | None = None  # mean tokens committed per verify block (speculative decoding)
+    spec_verify_ct: int = 0  # verify blocks the sequence went through
 
 
 @dataclass
@@ -395,6 +396,7 @@ class Engine:
                     cached_tokens_by_tier=dict(req.cache_hits),
                     error=req.error,
                     spec_accept_length=req.spec.mean_accept_length if req.spec is not None else None,
+                    spec_verify_ct=len(req.spec.accept_lengths) if req.spec is not None else 0,
                 )
             )
         return out

@@ -36,6 +36,9 @@ class DraftKV:
 
 def gather(contexts: list[DraftKV]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Padded batch of several requests' draft KV: per layer ([N, L, H, dk], [N, L, H, dv]) and mask [N, L]."""
+    if len(contexts) == 1:  # one request (concurrency 1): views, no copies
+        c = contexts[0]
+        return [(c.k[i][None], c.v[i][None]) for i in range(c.k.shape[0])], c.valid[None]
     width = max(c.capacity for c in contexts)
 
     def pad(t: torch.Tensor, dim: int) -> torch.Tensor:

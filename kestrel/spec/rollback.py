@@ -74,17 +74,17 @@ class ReplayRollback:
         if not items or states is None:
             return
         device = next(iter(states.conv.values())).device
+        items = sorted(items, key=lambda item: -item[2])  # longest first: the requests still replaying are a prefix
         slots = torch.tensor([chunk.request.slot for _, chunk, _ in items], device=device)
-        starts = [batch.seq_slice(seq).start for seq, _, _ in items]
+        starts = torch.tensor([batch.seq_slice(seq).start for seq, _, _ in items], device=device)
         lengths = [accepted for _, _, accepted in items]
+        active = [sum(n > t for n in lengths) for t in range(lengths[0])]
         for layer, attn in self.layers.items():
             mixed, g, beta = batch.kda_inputs[layer]
             conv, rec = states.conv[layer][slots], states.recurrent[layer][slots]
-            for t in range(max(lengths)):
-                active = [i for i, n in enumerate(lengths) if n > t]
-                rows = torch.tensor([starts[i] + t for i in active], device=device)
-                sel = torch.tensor(active, device=device)
-                _, conv_t, rec_t = attn.decode(mixed[rows], g[rows], beta[rows], conv[sel], rec[sel])
-                conv, rec = conv.index_copy(0, sel, conv_t.to(conv.dtype)), rec.index_copy(0, sel, rec_t)
+            for t, m in enumerate(active):
+                rows = starts[:m] + t
+                _, conv_t, rec_t = attn.decode(mixed[rows], g[rows], beta[rows], conv[:m], rec[:m])
+                conv, rec = torch.cat([conv_t.to(conv.dtype), conv[m:]]), torch.cat([rec_t, rec[m:]])
             states.conv[layer].index_copy_(0, slots, conv)
             states.recurrent[layer].index_copy_(0, slots, rec)
