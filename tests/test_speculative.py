@@ -106,7 +106,9 @@ def test_greedy_speculative_equals_plain_for_every_block_size(family, targets):
     prompts = _prompts(32, vocab, seed=3)
     want = plain.generate(prompts, _greedy(), use_tqdm=False)
     for block in range(2, 9):
-        llm = _spec_llm(path, draft, block, replay=block % 2 == 0)
+        # Block 3 also runs with a 4-token draft KV window: the ring wraps, the output must not change.
+        window = 4 if block == 3 else 1024
+        llm = _spec_llm(path, draft, block, replay=block % 2 == 0, speculative_draft_window_size=window)
         for batch in (1, 8, 32):
             got = llm.generate(prompts[:batch], _greedy(), use_tqdm=False)
             for a, b in zip(want, got):
@@ -302,6 +304,10 @@ def test_trained_draft_keeps_outputs_with_stop_strings_n_and_logprobs():
             [t for t, _ in top] for top in a.outputs[0].top_logprobs
         ]
     assert spec.engine.spec.stats()["spec_accept_length"] > 2.5
+    # An 8-token draft window: less context for the draft, never a different output.
+    narrow = LLM(None, speculative_algorithm="dflash", speculative_draft_window_size=8, **kw)
+    for a, b in zip(spec.generate(prompts, greedy, use_tqdm=False), narrow.generate(prompts, greedy, use_tqdm=False)):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
     sampled = SamplingParams(temperature=0.8, max_tokens=24, n=2, seed=7)
     outs = spec.generate(prompts[:2], sampled, use_tqdm=False)
     assert all(len(o.outputs) == 2 and all(c.token_ids for c in o.outputs) for o in outs)
