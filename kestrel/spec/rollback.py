@@ -4,8 +4,8 @@ Snapshot: the verify forward also saves the conv + recurrent states after each b
 slots; commit copies the accepted one into the request's slot. Memory: (B-1) state slots per running request.
 
 ReplaySSM: the verify forward leaves the request's slot at the committed state (its final states go to a scratch
-slot) and keeps the block's KDA inputs (conv input, forget gate, β); commit replays the accepted prefix through
-the layer's own decode step, so the state equals that of plain decoding. Memory: the block's inputs only.
+slot) and keeps the block's KDA inputs (conv input, forget gate, β); commit replays the accepted prefix from the
+committed state through the layer's own short-segment (recurrent) form. Memory: the block's inputs only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kestrel.cache.state_pool import StateStorage, state_bytes_per_slot
 from kestrel.config import ModelConfig
 from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.models.decoder import CausalLM
-from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.forward_batch import ForwardBatch, PrefillPhase
 
 
 def snapshot_bytes_per_request(cfg: ModelConfig, block: int, conv_dtype: torch.dtype) -> int:
@@ -71,20 +71,19 @@ class ReplayRollback:
 
     @torch.inference_mode()
     def commit(self, states: StateStorage, items: list[tuple[int, ScheduledChunk, int]], batch: ForwardBatch) -> None:
+        """One padded prefill call per KDA layer over each block's accepted tokens, from the committed states
+        (padding has β = 0 and g = 0, so a shorter prefix ends at its own state)."""
         if not items or states is None:
             return
         device = next(iter(states.conv.values())).device
-        items = sorted(items, key=lambda item: -item[2])  # longest first: the requests still replaying are a prefix
         slots = torch.tensor([chunk.request.slot for _, chunk, _ in items], device=device)
-        starts = torch.tensor([batch.seq_slice(seq).start for seq, _, _ in items], device=device)
-        lengths = [accepted for _, _, accepted in items]
-        active = [sum(n > t for n in lengths) for t in range(lengths[0])]
+        starts = [batch.seq_slice(seq).start for seq, _, _ in items]
+        lens = [accepted for _, _, accepted in items]
+        rows = torch.tensor([r for s, n in zip(starts, lens) for r in range(s, s + n)], device=device)
+        phase = PrefillPhase(list(range(len(items))), [0] * len(items), lens, rows, [None] * len(items))
         for layer, attn in self.layers.items():
             mixed, g, beta = batch.kda_inputs[layer]
-            conv, rec = states.conv[layer][slots], states.recurrent[layer][slots]
-            for t, m in enumerate(active):
-                rows = starts[:m] + t
-                _, conv_t, rec_t = attn.decode(mixed[rows], g[rows], beta[rows], conv[:m], rec[:m])
-                conv, rec = torch.cat([conv_t.to(conv.dtype), conv[m:]]), torch.cat([rec_t, rec[m:]])
+            committed = states.conv[layer][slots], states.recurrent[layer][slots]
+            _, conv, rec = attn.prefill(mixed, g, beta, phase, *committed)
             states.conv[layer].index_copy_(0, slots, conv)
             states.recurrent[layer].index_copy_(0, slots, rec)
