@@ -27,6 +27,8 @@ class Request:
     Invariants while RUNNING: tokens [0, computed_len) of `all_ids` have their MLA/index keys in `pages`
     and the KDA slot holds the state after token computed_len - 1. Tokens [computed_len, num_tokens) still
     need a forward; when computed_len == num_tokens after a step, the step samples the next token.
+    A speculative verify block runs tokens [computed_len, computed_len + n) with n-1 of them drafted (not in
+    `output_ids`); after it, computed_len covers only the accepted ones and the slot is rolled back to match.
     """
 
     request_id: str

@@ -7,6 +7,8 @@ and hands computed prefixes to the cache.
 With a radix cache, admission starts a request after its longest cached prefix, and the scheduler decides
 where KDA state checkpoints are taken: at the last page boundary of every prefill chunk, at every
 `state_track_interval` tokens, and (through the request's tail slot) at the last page boundary on finish.
+With speculative decoding (`spec_block`), a decode-ready request gets a verify chunk of up to B tokens instead of
+one; `commit_verify` records how many of them were kept.
 """
 
 from __future__ import annotations
