@@ -220,7 +220,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.computed_len, self.chunk_cap, budget)
             if n == 1 and self.spec_block is not None and not req.in_prefill:
-                n = self.spec_block(req, budget)
+                n = int(min(self.spec_block(req, budget), self.chunk_cap))
             while not self._reserve(req, req.computed_len + n):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
