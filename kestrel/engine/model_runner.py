@@ -178,12 +178,11 @@ class ModelRunner:
             decode = n == 1 and nd == i  # the leading one-token chunks are the batch's decode rows
             nd += decode
             snaps = [] if decode else c.snapshots  # a decode row's snapshots become slot copies
-            slot = req.slot if req.slot is not None else 0
             inputs.add(
                 chunk_tokens(req.prompt_ids, req.output_ids, start, n - len(c.draft)) + c.draft,
                 start,
                 req.pages,
-                slot,
+                req.slot if req.slot is not None else 0,
                 c.num_sampled,
                 [m for m, _, _ in snaps],
                 [slot for _, slot, _ in snaps],
