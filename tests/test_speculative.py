@@ -314,6 +314,22 @@ def test_trained_draft_keeps_outputs_with_stop_strings_n_and_logprobs():
     _assert_idle(spec)
 
 
+def test_trained_draft_greedy_equals_plain_for_every_block_size():
+    """kestrel-mini with its shipped draft, B = 2..8, batches of 1 and 8 chat prompts: plain greedy tokens."""
+    from kestrel.train.dflash import chat_prompts
+
+    prompts = chat_prompts(30_002, 8)
+    kw = dict(max_total_tokens=16384, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    want = [o.outputs[0].token_ids for o in LLM(None, **kw).generate(prompts, params, use_tqdm=False)]
+    for block in range(2, 9):
+        llm = LLM(None, speculative_algorithm="dflash", speculative_num_draft_tokens=block, **kw)
+        for batch in (1, 8):
+            got = llm.generate(prompts[:batch], params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == want[:batch], block
+        assert llm.engine.spec.stats()["spec_accept_length"] > 1.5
+
+
 def test_server_reports_acceptance_in_generate_meta_info_and_metrics():
     import httpx
     from server_harness import running_server
