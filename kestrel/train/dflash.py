@@ -334,6 +334,8 @@ def run_dflash(
     if num_prompts is not None:
         cfg.num_prompts = num_prompts
     path = TARGETS.get(target, Path(target))
+    if ship and path.resolve() != EMBEDDED_DIR.resolve():
+        raise ValueError("--ship: the shipped draft belongs to the embedded model (--target kestrel-mini)")
     trainer = DFlashTrainer(path, Path(out_dir), cfg)
     trainer.train()
     if ship:
