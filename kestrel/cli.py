@@ -166,12 +166,29 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.mode == "dflash":
+        return cmd_train_dflash(args)
     from kestrel.train.run import run_sft
 
+    args.out = args.out or "out/sft-mini"
     trainer = run_sft(args.recipe, args.out, steps=args.steps, max_minutes=args.max_minutes, ship=args.ship)
     state = trainer.state
     print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
     print(f"checkpoint: {Path(args.out) / 'checkpoint'}; loss curve: {Path(args.out) / 'loss_curve.png'}")
+    return 0
+
+
+def cmd_train_dflash(args: argparse.Namespace) -> int:
+    from kestrel.train.dflash import run_dflash
+
+    out = Path(args.out or "out/dflash-mini")
+    trainer = run_dflash(args.target, out, steps=args.steps, max_minutes=args.max_minutes, ship=args.ship)
+    state = trainer.state
+    print(
+        f"trained {state.step} steps in {state.seconds / 60:.1f} min (+{state.data_seconds / 60:.1f} min of target "
+        f"answers); held-out acceptance length {state.eval_accept[-1][1]:.3f} at block {trainer.cfg.eval_block}"
+    )
+    print(f"draft: {out / 'checkpoint'}; loss curve: {out / 'loss_curve.png'}")
     return 0
 
 
@@ -292,13 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
-    tr = add_command(sub, "train", "SFT on synthetic chat episodes (--recipe; --ship makes it the default model)")
-    tr.add_argument("mode", choices=["sft"])
-    tr.add_argument("--recipe", default="mini", choices=["mini", "tiny"])
-    tr.add_argument("--out", default="out/sft-mini")
+    tr = add_command(
+        sub, "train", "sft: SFT on synthetic chat episodes; dflash: distil a speculative block draft for --target"
+    )
+    tr.add_argument("mode", choices=["sft", "dflash"])
+    tr.add_argument("--recipe", default="mini", choices=["mini", "tiny"], help="sft recipe")
+    tr.add_argument("--target", default="kestrel-mini", help="dflash: target model (kestrel-mini or a folder)")
+    tr.add_argument("--out", default=None, help="default: out/sft-mini or out/dflash-mini")
     tr.add_argument("--steps", type=int, default=None)
     tr.add_argument("--max-minutes", type=float, default=None)
-    tr.add_argument("--ship", action="store_true", help="install the result as the embedded default model")
+    tr.add_argument("--ship", action="store_true", help="install the result as the embedded default (model or draft)")
     tr.set_defaults(func=cmd_train)
 
     ev = add_command(sub, "eval", "held-out accuracy (default: the built-in model): arithmetic or tool calling")

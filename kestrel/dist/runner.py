@@ -165,7 +165,7 @@ class DistModelRunner(ModelRunner):
         inputs, copies = self.step_inputs(plan)
         real = len(inputs.ids)
         if not plan.chunks:  # an idle attention-DP group: one padding row, so that its collectives still run
-            inputs.add([0], 0, [self.scratch_page], self.scratch_slot, False, [], [])
+            inputs.add([0], 0, [self.scratch_page], self.scratch_slot, 0, [], [])
             self.idle_group_steps += 1
         msg = StepMessage(inputs, list(plan.fresh_slots), self.pending[group], copies, prompt_logit_chunks(plan), real)
         self.pending[group] = []

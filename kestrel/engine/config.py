@@ -9,6 +9,7 @@ from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+SPEC_ALGORITHMS = ("dflash",)
 
 
 @dataclass
@@ -66,6 +67,22 @@ class EngineConfig:
     compile: bool = field(default=False, metadata={"help": "compile the decode step (CUDA graphs on CUDA)"})
     compile_max_bs: int = field(default=8, metadata={"help": "largest decode batch compiled on CPU"})
     cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest decode batch captured as a CUDA graph"})
+    # Speculative decoding (DFlash block drafts).
+    speculative_algorithm: str | None = field(
+        default=None, metadata={"help": "speculative decoding algorithm (default: none)", "choices": SPEC_ALGORITHMS}
+    )
+    speculative_draft_model: str | None = field(
+        default=None, metadata={"help": "draft checkpoint folder (default: the shipped draft of the embedded model)"}
+    )
+    speculative_num_draft_tokens: int = field(
+        default=7, metadata={"help": "verify block size B: the last token + B-1 drafted tokens"}
+    )
+    speculative_draft_window_size: int = field(
+        default=1024, metadata={"help": "committed tokens the draft's KV keeps per request (sliding window)"}
+    )
+    enable_linear_replayssm_spec: bool = field(
+        default=False, metadata={"help": "KDA rollback by replaying accepted tokens (else per-position snapshots)"}
+    )
 
     # Parallelism (kestrel.dist): one process per rank; rank 0 schedules and samples, the others follow.
     tp: int = field(default=1, metadata={"help": "tensor-parallel ranks", "aliases": ["--tp-size"]})
@@ -121,6 +138,9 @@ class EngineConfig:
         need(self.num_threads >= 0, "num_threads", "must be >= 0 (0: torch's default)")
         need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
+        need(self.speculative_algorithm in (None, *SPEC_ALGORITHMS), "speculative_algorithm", "|".join(SPEC_ALGORITHMS))
+        need(2 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens", "must be in [2, 16]")
+        need(self.speculative_draft_window_size >= 1, "speculative_draft_window_size", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
         for name in ("tp", "ep", "dp_attn", "nnodes"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
@@ -134,6 +154,7 @@ class EngineConfig:
         if self.tp > 1:
             need(not self.compile, "compile", "not supported with --tp > 1 yet")
             need(self.hicache_size == 0 and self.hicache_storage_dir is None, "hicache_size", "not with --tp > 1 yet")
+            need(self.speculative_algorithm is None, "speculative_algorithm", "not with --tp > 1 yet")
         need(
             self.hicache_write_policy in HICACHE_WRITE_POLICIES,
             "hicache_write_policy",

@@ -30,11 +30,13 @@ from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.sampler import Sampler, SamplerOutput, SamplingRow, prompt_logprobs
+from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import SchedulePlan, Scheduler
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
+from kestrel.spec.draft import load_spec_draft
+from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class CompletionOutput:
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
     error: str | None = None
+    spec_accept_length: float | None = None  # mean tokens committed per verify block (speculative decoding)
+    spec_verify_ct: int = 0  # verify blocks the sequence went through
 
 
 @dataclass
@@ -124,6 +128,7 @@ class Engine:
             self.runner = DistModelRunner(*pools, self.groups, config.kv_cache_dtype)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
+        self.draft = load_spec_draft(config, path, self.model) if config.speculative_algorithm else None
         self.hicache: HiCache | None = None
         self.cache: RadixCache | NoPrefixCache = NoPrefixCache(self.pages, self.slots)
         if config.enable_prefix_caching:
@@ -154,6 +159,18 @@ class Engine:
             self.pages, self.slots, self.cache, self.scheduler = dp_scheduling(self, num_pages, num_slots)
         self.eos_token_ids = set(eos)
         self.sampler = Sampler(eos, seed=config.seed)
+        self.spec: DFlashSpeculator | None = None
+        if self.draft is not None:
+            self.spec = DFlashSpeculator(
+                self.draft,
+                self.scheduler,
+                self.sampler,
+                self.runner,
+                config.speculative_num_draft_tokens,
+                config.speculative_draft_window_size,
+                config.enable_linear_replayssm_spec,
+                self.max_model_len,
+            )
         self._arrivals = itertools.count()
         self._groups: dict[str, list[Request]] = {}
         self._grammar: GrammarBackend | None = None
@@ -175,12 +192,16 @@ class Engine:
         config = self.config
         if not self.model_config.kda_layers:
             return 0
+        # Snapshot rollback borrows B-1 slots per verify block (ReplaySSM needs none).
+        spec = 0
+        if config.speculative_algorithm and not config.enable_linear_replayssm_spec:
+            spec = (config.speculative_num_draft_tokens - 1) * config.max_running_requests
         if not config.enable_prefix_caching:
-            return config.max_running_requests
+            return config.max_running_requests + spec
         checkpoints = config.max_state_checkpoints
         if checkpoints is None:
             checkpoints = 2 * config.max_running_requests
-        return 2 * config.max_running_requests + checkpoints
+        return 2 * config.max_running_requests + checkpoints + spec
 
     def _num_pages(self, num_slots: int) -> int:
         config = self.config
@@ -286,44 +307,58 @@ class Engine:
         done: list[Request] = list(plan.rejected)
         advanced: list[Request] = []
         if not plan.empty:
-            logits, _ = self.runner.execute(plan)
+            if self.spec is not None:
+                self.spec.propose(plan)
+            logits, batch = self.runner.execute(plan)
             self._record_prompt_logprobs(plan, logits.prompt)
-            rows = [
-                SamplingRow(
-                    c.request.params, c.request.prompt_ids, c.request.output_ids, c.request.generator, c.request.matcher
-                )
-                for c in plan.chunks
-                if c.samples
-            ]
-            sampled = self.sampler.sample(logits.sample, rows)
+            if self.spec is not None:
+                sampled = self.spec.commit(plan, logits.sample, batch)
+            else:
+                rows = [
+                    SamplingRow(
+                        c.request.params,
+                        c.request.prompt_ids,
+                        c.request.output_ids,
+                        c.request.generator,
+                        c.request.matcher,
+                    )
+                    for c in plan.chunks
+                    if c.samples
+                ]
+                out = self.sampler.sample(logits.sample, rows)
+                sampled = [[tok] for tok in zip(out.token_ids, out.logprobs, out.top_logprobs)]
             self.scheduler.advance(plan)
             advanced, finished = self._process_outputs(plan, sampled)
             done += finished
         advanced += [r for r in done if r not in advanced]
         return StepResult(advanced, self._collect_finished(done))
 
-    def _process_outputs(self, plan: SchedulePlan, sampled: SamplerOutput) -> tuple[list[Request], list[Request]]:
-        """Append each sampled token, detokenize, apply the stop rules. Returns (sampled, finished) requests.
+    def _process_outputs(
+        self, plan: SchedulePlan, sampled: list[list[tuple[int, float, list | None]]]
+    ) -> tuple[list[Request], list[Request]]:
+        """Append each sampled token (a verify block commits several), detokenize, apply the stop rules after
+        each. Returns (sampled, finished) requests.
 
-        Sampled rows come back in plan order of the sampling chunks, so the chunks are walked in that order.
+        Sampled tokens come back in plan order of the sampling chunks, so the chunks are walked in that order.
         """
         advanced, finished = [], []
         for chunk in plan.chunks:
             if not chunk.samples:
                 continue
-            req, i = chunk.request, len(advanced)
-            token = sampled.token_ids[i]
-            req.output_ids.append(token)
-            if req.params.logprobs is not None:
-                req.logprobs.append(sampled.logprobs[i])
-                req.top_logprobs.append(sampled.top_logprobs[i])
+            req = chunk.request
             advanced.append(req)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                if req.detokenizer is not None and not req.detokenizer.stopped:
-                    req.output_text += req.detokenizer.flush()
-                finished.append(req)
+            for token, logprob, top in sampled[len(advanced) - 1]:
+                req.output_ids.append(token)
+                if req.params.logprobs is not None:
+                    req.logprobs.append(logprob)
+                    req.top_logprobs.append(top)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    if req.detokenizer is not None and not req.detokenizer.stopped:
+                        req.output_text += req.detokenizer.flush()
+                    finished.append(req)
+                    break
         return advanced, finished
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
@@ -380,6 +415,8 @@ class Engine:
                     cached_tokens=req.cached_tokens,
                     cached_tokens_by_tier=dict(req.cache_hits),
                     error=req.error,
+                    spec_accept_length=req.spec.mean_accept_length if req.spec is not None else None,
+                    spec_verify_ct=len(req.spec.accept_lengths) if req.spec is not None else 0,
                 )
             )
         return out
@@ -395,6 +432,8 @@ class Engine:
             "slots_used": self.slots.num_used - checkpoints,
             "computed_tokens": self.scheduler.num_computed_tokens,
         }
+        if self.spec is not None:
+            out.update(self.spec.stats())
         if self.config.enable_prefix_caching:
             out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
             out["prefix_cache_pages"] = self.cache.device_pages()

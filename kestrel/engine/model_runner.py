@@ -32,8 +32,12 @@ class PagedCacheView:
         write_slots: torch.Tensor,
         state_slots: torch.Tensor,
         snapshot_slots: list[list[int]] | None = None,
+        store_slots: torch.Tensor | None = None,
     ) -> None:
         self.kv, self.states = kv, states
+        # Where each sequence's final KDA states go: its own slot, or the scratch slot for a ReplaySSM verify block
+        # (its slot must keep the committed state until the accepted prefix is replayed).
+        self.store_slots = state_slots if store_slots is None else store_slots
         self.slot_table, self.history_lens = slot_table, history_lens
         self.write_slots, self.state_slots, self.snapshot_slots = write_slots, state_slots, snapshot_slots
         self._history_list = history_list
@@ -65,8 +69,8 @@ class PagedCacheView:
         return self.states.conv[layer].index_select(0, slots), self.states.recurrent[layer].index_select(0, slots)
 
     def store_state(self, layer, conv_state, recurrent_state) -> None:
-        self.states.conv[layer].index_copy_(0, self.state_slots, conv_state.to(self.states.conv[layer].dtype))
-        self.states.recurrent[layer].index_copy_(0, self.state_slots, recurrent_state.float())
+        self.states.conv[layer].index_copy_(0, self.store_slots, conv_state.to(self.states.conv[layer].dtype))
+        self.states.recurrent[layer].index_copy_(0, self.store_slots, recurrent_state.float())
 
     def store_state_snapshot(self, layer, seq, index, conv_state, recurrent_state) -> None:
         slot = self.snapshot_slots[seq][index]
@@ -105,13 +109,23 @@ class StepInputs:
     history_lens: list[int] = field(default_factory=list)
     pages: list[list[int]] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)
+    store_slots: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     snapshots: list[list[int]] = field(default_factory=list)
     snapshot_slots: list[list[int]] = field(default_factory=list)
 
     def add(
-        self, ids: list[int], start: int, pages: list[int], slot: int, samples: bool, snaps: list[int], snap_slots
+        self,
+        ids: list[int],
+        start: int,
+        pages: list[int],
+        slot: int,
+        samples: int,
+        snaps: list[int],
+        snap_slots,
+        store_slot: int | None = None,
     ) -> None:
+        """`samples`: how many of the last rows are sampled (0, 1, or a whole verify block)."""
         n, seq = len(ids), len(self.extend_lens)
         self.ids += ids
         self.positions += range(start, start + n)
@@ -121,8 +135,8 @@ class StepInputs:
         self.history_lens.append(start + n)
         self.pages.append(pages)
         self.state_slots.append(slot)
-        if samples:
-            self.sample_rows.append(len(self.ids) - 1)
+        self.store_slots.append(slot if store_slot is None else store_slot)
+        self.sample_rows.extend(range(len(self.ids) - samples, len(self.ids)))
         self.snapshots.append(snaps)
         self.snapshot_slots.append(snap_slots)
 
@@ -154,6 +168,10 @@ class ModelRunner:
         self.states = StateStorage(cfg, num_slots + 1, model.dtype, device) if cfg.kda_layers else None
         self._offsets = torch.arange(page_size, device=device)
         self.compiled = CompiledDecode(self, compile_max_bs) if compile_max_bs > 0 else None
+        # Speculative decoding: target layers whose hidden states the draft reads, and whether verify blocks
+        # keep their KDA inputs for a replay (ReplaySSM) instead of snapshotting states.
+        self.capture_layers: tuple[int, ...] = ()
+        self.replay_verify = False
 
     def prepare(self, plan: SchedulePlan, pad_to: int = 0) -> tuple[ForwardBatch, torch.Tensor, list[tuple[int, int]]]:
         """One ForwardBatch for the plan, the rows whose logits are sampled, and the state-slot copies to make
@@ -177,17 +195,18 @@ class ModelRunner:
             nd += decode
             snaps = [] if decode else c.snapshots  # a decode row's snapshots become slot copies
             inputs.add(
-                chunk_tokens(req.prompt_ids, req.output_ids, start, n),
+                chunk_tokens(req.prompt_ids, req.output_ids, start, n - len(c.draft)) + c.draft,
                 start,
                 req.pages,
                 req.slot if req.slot is not None else 0,
-                c.samples,
+                c.num_sampled,
                 [m for m, _, _ in snaps],
                 [slot for _, slot, _ in snaps],
+                self.scratch_slot if c.verify and self.replay_verify else None,
             )
         copies = [(c.request.slot, slot) for c in plan.chunks[:nd] for _, slot, _ in c.snapshots]
         for _ in range(len(plan.chunks), pad_to):
-            inputs.add([0], 0, [self.scratch_page], self.scratch_slot, False, [], [])
+            inputs.add([0], 0, [self.scratch_page], self.scratch_slot, 0, [], [])
         return inputs, copies
 
     def pool_io(self) -> PoolIO:
@@ -204,8 +223,11 @@ class ModelRunner:
             table[i * width : i * width + used] = pages[:used]
         t, rows = len(inputs.ids), inputs.sample_rows
         flat = inputs.ids + inputs.positions + inputs.seq_of + table + inputs.state_slots + hist + rows
+        flat += inputs.store_slots
         meta = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
-        ids_t, pos_t, seq_t, table_t, slots_t, hist_t, rows_t = meta.split([t, t, t, b * width, b, b, len(rows)])
+        ids_t, pos_t, seq_t, table_t, slots_t, hist_t, rows_t, store_t = meta.split(
+            [t, t, t, b * width, b, b, len(rows), b]
+        )
         slot_table = (table_t.view(b, width, 1) * ps + self._offsets).view(b, width * ps)
         batch = ForwardBatch(ids_t, pos_t, inputs.extend_lens, inputs.prefix_lens)
         if any(inputs.snapshots):
@@ -220,16 +242,22 @@ class ModelRunner:
             slot_table[seq_t, pos_t],
             slots_t,
             inputs.snapshot_slots,
+            store_t,
         )
         return batch, rows_t
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
         routed = routed or any(c.request.routed_experts is not None for c in plan.chunks)
-        bucket = self.compiled.bucket_for(plan) if self.compiled is not None and not routed else 0
+        capture = bool(self.capture_layers)
+        bucket = self.compiled.bucket_for(plan) if self.compiled is not None and not routed and not capture else 0
         batch, rows, copies = self.prepare(plan, pad_to=bucket)
         if routed:
             batch.routed_experts = {}
+        if capture:
+            batch.capture_layers, batch.captured = self.capture_layers, {}
+            if self.replay_verify and any(c.verify for c in plan.chunks):
+                batch.kda_inputs = {}
         hidden = self.compiled(batch) if bucket else self.model(batch)
         for src, dst in copies:
             self.states.copy(src, dst)

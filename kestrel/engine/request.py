@@ -27,6 +27,8 @@ class Request:
     Invariants while RUNNING: tokens [0, computed_len) of `all_ids` have their MLA/index keys in `pages`
     and the KDA slot holds the state after token computed_len - 1. Tokens [computed_len, num_tokens) still
     need a forward; when computed_len == num_tokens after a step, the step samples the next token.
+    A speculative verify block runs tokens [computed_len, computed_len + n) with n-1 of them drafted (not in
+    `output_ids`); after it, computed_len covers only the accepted ones and the slot is rolled back to match.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class Request:
     # None unless asked for; else one entry per output token: MoE layer -> top-k expert ids chosen at the row
     # that sampled it, i.e. when the token at position len(prompt_ids) - 1 + k was the input.
     routed_experts: list[dict[int, list[int]]] | None = None
+    spec: Any = None  # speculative decoding: the request's draft KV and acceptance lengths (kestrel.spec)
 
     @property
     def num_tokens(self) -> int:

@@ -138,39 +138,20 @@ class Sampler:
         if row_idx:
             x[row_idx, tok_idx] = float("-inf")
 
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution [B, V] each (non-greedy) row samples from, after every rule above (speculative
+        acceptance compares it with the draft's)."""
+        x = logits.to(torch.float32, copy=True)
+        self._apply_min_tokens(x, rows)
+        _apply_logit_bias(x, rows)
+        _apply_penalties(x, rows)
+        apply_grammar_masks(x, [r.matcher for r in rows])
+        return _filtered(x, rows).softmax(dim=-1)
+
     def _sample_random(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
         device, vocab = x.device, x.shape[-1]
-        p = [r.params for r in rows]
-        x = x / torch.tensor([q.temperature for q in p], device=device)[:, None]
-
-        top_k = [vocab if q.top_k <= 0 else min(q.top_k, vocab) for q in p]
-        top_p = [q.top_p for q in p]
-        need_k = any(k < vocab for k in top_k)
-        need_p = any(tp < 1.0 for tp in top_p)
-        if need_k or need_p:
-            sorted_x, sorted_idx = x.sort(dim=-1, descending=True)
-            if need_k:
-                # Value threshold: keeps ties with the k-th logit, independent of sort tie-breaking.
-                kth = sorted_x.gather(1, torch.tensor(top_k, device=device)[:, None] - 1)
-                sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-            if need_p:
-                probs = sorted_x.softmax(dim=-1)
-                cum = probs.cumsum(dim=-1)
-                excl = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
-                tp = torch.tensor(top_p, device=device)[:, None]
-                # Drop a token once the tokens before it already reach top_p; the top token has excl == 0.
-                # Rows with top_p == 1 are skipped so rounding in cumsum can never drop their tail.
-                remove = (excl >= tp) & (tp < 1.0)
-                sorted_x = sorted_x.masked_fill(remove, float("-inf"))
-            x = x.scatter(1, sorted_idx, sorted_x)
-
-        if any(q.min_p > 0 for q in p):
-            probs = x.softmax(dim=-1)
-            min_p = torch.tensor([q.min_p for q in p], device=device)[:, None]
-            x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-
-        probs = x.softmax(dim=-1)
+        probs = _filtered(x, rows).softmax(dim=-1)
         q_exp = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
@@ -183,6 +164,40 @@ class Sampler:
         # Exp(1) may round to 0; 0/0 would be NaN and win argmax.
         q_exp.clamp_min_(torch.finfo(q_exp.dtype).tiny)
         return (probs / q_exp).argmax(dim=-1)
+
+
+def _filtered(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to processed logits (a new tensor)."""
+    device, vocab = x.device, x.shape[-1]
+    p = [r.params for r in rows]
+    x = x / torch.tensor([q.temperature for q in p], device=device)[:, None]
+
+    top_k = [vocab if q.top_k <= 0 else min(q.top_k, vocab) for q in p]
+    top_p = [q.top_p for q in p]
+    need_k = any(k < vocab for k in top_k)
+    need_p = any(tp < 1.0 for tp in top_p)
+    if need_k or need_p:
+        sorted_x, sorted_idx = x.sort(dim=-1, descending=True)
+        if need_k:
+            # Value threshold: keeps ties with the k-th logit, independent of sort tie-breaking.
+            kth = sorted_x.gather(1, torch.tensor(top_k, device=device)[:, None] - 1)
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        if need_p:
+            probs = sorted_x.softmax(dim=-1)
+            cum = probs.cumsum(dim=-1)
+            excl = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+            tp = torch.tensor(top_p, device=device)[:, None]
+            # Drop a token once the tokens before it already reach top_p; the top token has excl == 0.
+            # Rows with top_p == 1 are skipped so rounding in cumsum can never drop their tail.
+            remove = (excl >= tp) & (tp < 1.0)
+            sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+        x = x.scatter(1, sorted_idx, sorted_x)
+
+    if any(q.min_p > 0 for q in p):
+        probs = x.softmax(dim=-1)
+        min_p = torch.tensor([q.min_p for q in p], device=device)[:, None]
+        x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return x
 
 
 def _apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:

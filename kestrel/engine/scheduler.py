@@ -7,13 +7,17 @@ and hands computed prefixes to the cache.
 With a radix cache, admission starts a request after its longest cached prefix, and the scheduler decides
 where KDA state checkpoints are taken: at the last page boundary of every prefill chunk, at every
 `state_track_interval` tokens, and (through the request's tail slot) at the last page boundary on finish.
+With speculative decoding (`spec_block`), a decode-ready request gets a verify chunk of up to B tokens instead of
+one; `commit_verify` records how many of them were kept.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kestrel.cache.kv_pool import PageAllocator
 from kestrel.cache.prefix import NoPrefixCache
@@ -31,11 +35,20 @@ class ScheduledChunk:
     num_tokens: int
     # KDA state snapshots taken inside this chunk: (offset m in [1, num_tokens], state slot, committed now?)
     snapshots: list[tuple[int, int, bool]] = field(default_factory=list)
+    # Speculative verify block: the request's last token + `draft` (filled in after scheduling); every row samples.
+    verify: bool = False
+    draft: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # [len(draft), V] draft distributions of sampled requests
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last row yields the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.verify or self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows whose logits are sampled: the whole block of a verify chunk, else the last row if it samples."""
+        return self.num_tokens if self.verify else int(self.samples)
 
     @property
     def is_decode(self) -> bool:
@@ -80,6 +93,8 @@ class Scheduler:
         self.capacity_tokens = pages.num_pages * pages.page_size
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # tokens pushed through the model, all requests, all steps
+        # Speculative decoding: tokens of the verify block of a decode-ready request (1 = plain decode).
+        self.spec_block: Callable[[Request, int], int] | None = None
 
     # -- intake and removal ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -204,6 +219,8 @@ class Scheduler:
             if req not in self.running or budget <= 0:
                 continue
             n = min(req.num_tokens - req.computed_len, self.chunk_cap, budget)
+            if n == 1 and self.spec_block is not None and not req.in_prefill:
+                n = int(min(self.spec_block(req, budget), self.chunk_cap))
             while not self._reserve(req, req.computed_len + n):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
@@ -211,7 +228,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req in self.running:
-                plan.chunks.append(ScheduledChunk(req, req.computed_len, n))
+                plan.chunks.append(ScheduledChunk(req, req.computed_len, n, verify=n > 1 and not req.in_prefill))
                 budget -= n
         if plan.preempted:
             plan.chunks = [c for c in plan.chunks if c.request in self.running]
@@ -275,14 +292,25 @@ class Scheduler:
         for chunk in plan.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.num_computed_tokens += chunk.num_tokens
-            if self.cache.takes_checkpoints:
+            if self.cache.takes_checkpoints and not chunk.verify:
                 self._plan_snapshots(chunk)
 
     def advance(self, plan: SchedulePlan) -> None:
         """After the forward: the chunks are computed; commit their checkpoints (or full pages) to the cache."""
         for chunk in plan.chunks:
-            chunk.request.computed_len = chunk.start + chunk.num_tokens
-            self._cache_chunk(chunk)
+            if not chunk.verify:  # a verify block is committed by `commit_verify`
+                chunk.request.computed_len = chunk.start + chunk.num_tokens
+                self._cache_chunk(chunk)
+
+    def commit_verify(self, chunk: ScheduledChunk, accepted: int) -> None:
+        """The first `accepted` tokens of a verify block are kept: they are computed; the pages that only held
+        rejected positions go back to the free list at once."""
+        req = chunk.request
+        req.computed_len = chunk.start + accepted
+        keep = max(self.pages.pages_for(req.computed_len), self.pages.pages_for(req.cache_len))
+        if len(req.pages) > keep:
+            self.pages.free(req.pages[keep:])
+            del req.pages[keep:]
 
     def _cache_chunk(self, chunk: ScheduledChunk) -> None:
         """After a step: commit the chunk's checkpoints (or, without KDA, its full pages) to the cache."""

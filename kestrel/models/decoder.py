@@ -99,14 +99,19 @@ class DecoderModel(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions, h.dtype) if self.rotary is not None else None
+        capture = batch.captured if batch.captured is not None else {}
         if not self.cfg.attn_res_block_size:
             for layer in self.layers:
                 h = layer(h, batch, rope)
+                if layer.layer_id in batch.capture_layers:
+                    capture[layer.layer_id] = h
             return self.norm(h)
         bank: list[torch.Tensor] = []
         partial = h
         for layer in self.layers:
             partial = layer.forward_attn_res(partial, bank, batch, rope)
+            if layer.layer_id in batch.capture_layers:  # the residual stream: every block's sum + the partial
+                capture[layer.layer_id] = partial + sum(bank[1:], bank[0]) if bank else partial
         eps = self.cfg.rms_norm_eps
         return self.norm(
             attn_res_mix(partial, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, eps)

@@ -105,6 +105,12 @@ class ForwardBatch:
     # Prefix-cache checkpoints: per sequence, sorted offsets m in [1, extend_len] after whose m-th new token the
     # KDA layers also hand their states to `cache.store_state_snapshot` (None or [] = none).
     state_snapshots: list[list[int]] | None = None
+    # Speculative decoding: the decoder stores the hidden states [T, d] after these layers into `captured`
+    # (the draft's context), and KDA layers store their block inputs (conv input, gate, beta) into `kda_inputs`
+    # when it is a dict (ReplaySSM replays the accepted prefix from them).
+    capture_layers: tuple[int, ...] = ()
+    captured: dict[int, torch.Tensor] | None = None
+    kda_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
     _leading_single: int = field(default=0, repr=False)
     _phases: list[PrefillPhase] | None = field(default=None, repr=False)

@@ -363,5 +363,7 @@ class AsyncEngine:
                 track.last_token_at[i] = now
             if newly_finished:
                 self.metrics.finished.labels(req.finish_reason or "unknown").inc()
+                if req.spec is not None and req.spec.accept_lengths:
+                    self.metrics.spec_accept_length.observe(req.spec.mean_accept_length)
             track.sent_tokens[i], track.sent_text[i], track.finished[i] = n_tok, n_text, req.is_finished
         return deltas

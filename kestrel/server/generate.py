@@ -118,6 +118,9 @@ class _Seq:
         if self.final is not None:
             meta["cached_tokens"] = self.final.cached_tokens
             meta["cached_tokens_by_tier"] = self.final.cached_tokens_by_tier
+            if self.final.spec_verify_ct:
+                meta["spec_verify_ct"] = self.final.spec_verify_ct
+                meta["spec_accept_length"] = self.final.spec_accept_length
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
             meta["output_top_logprobs"] = [[[v, t, None] for t, v in top or []] for top in self.top_logprobs]

@@ -52,6 +52,12 @@ class ServerMetrics:
             "kestrel_prefix_cache_disk_io_errors", "Disk-tier OS errors, each treated as a miss", registry=r
         )
         self.disk_written = Gauge("kestrel_hicache_disk_files_written", "Files written to the disk tier", registry=r)
+        self.spec_accept_length = Histogram(
+            "kestrel_spec_accept_length",
+            "Speculative decoding: mean tokens committed per verify block, per finished sequence",
+            buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 6, 7, 8, 12, 16),
+            registry=r,
+        )
         self.finished = Counter(
             "kestrel_requests_finished", "Finished sequences by reason", ["finish_reason"], registry=r
         )

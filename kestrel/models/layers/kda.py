@@ -81,6 +81,8 @@ class KDAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         mixed, g, beta, gate = self.project(x)
+        if batch.kda_inputs is not None:
+            batch.kda_inputs[self.layer_id] = (mixed, g, beta)
         cache, nd, n = batch.cache, batch.num_decode, batch.num_seqs
         if cache is not None:
             conv_state, rec_state = cache.load_state(self.layer_id)

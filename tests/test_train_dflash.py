@@ -1,0 +1,50 @@
+"""The DFlash distillation trainer: learns, resumes where it stopped, writes a loadable draft and a loss curve."""
+
+from __future__ import annotations
+
+import json
+
+from kestrel.models.loader import load_model
+from kestrel.spec.draft import load_draft, weights_sha256
+from kestrel.train.dflash import DFlashTrainConfig, DFlashTrainer, block_loss
+
+
+def _cfg(steps: int) -> DFlashTrainConfig:
+    return DFlashTrainConfig(
+        num_prompts=6,
+        held_out_prompts=2,
+        max_new_tokens=12,
+        num_layers=1,
+        anchors_per_seq=6,
+        seqs_per_step=2,
+        steps=steps,
+        eval_every=2,
+        save_every=2,
+        lr=3e-3,
+        warmup_steps=1,
+    )
+
+
+def test_dflash_trainer_learns_resumes_and_writes_a_loadable_draft(tiny_checkpoints, tmp_path):
+    target = tiny_checkpoints["kimi_k3"]
+    out = tmp_path / "run"
+    first = DFlashTrainer(target, out, _cfg(2))
+    first.train()
+    assert (out / "distill_data.json").exists() and first.state.step == 2
+    # Every sequence is the target's own greedy continuation of a chat prompt.
+    seq, prompt_len = first.data[0]
+    assert len(seq) > prompt_len
+    resumed = DFlashTrainer(target, out, _cfg(12))
+    assert resumed.state.step == 2  # picked up the saved state, data and weights
+    state = resumed.train()
+    assert state.step == 12 and (out / "loss_curve.png").exists()
+    losses = [loss for _, loss in state.train_loss]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # it learns
+    cfg = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert cfg["target_sha256"] == weights_sha256(target) and cfg["num_hidden_layers"] == 1
+    model, _ = load_model(target)
+    draft = load_draft(out / "checkpoint", model)
+    seq, plen = resumed.data[3]
+    hidden = dict(zip(draft.cfg.target_layer_ids, resumed.hidden[3].float().chunk(len(draft.cfg.target_layer_ids), -1)))
+    loss, accept = block_loss(draft, seq, hidden, [plen - 1], 4, 4.0)
+    assert loss.isfinite() and 1 <= float(accept[0]) <= 4
