@@ -9,7 +9,14 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (
     recurrent_kimi_delta_attention,
 )
 
-from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_recurrent, kda_step, l2_normalize
+from kestrel.models.layers.kda_ops import (
+    kda_chunked,
+    kda_chunked_packed,
+    kda_recurrent,
+    kda_step,
+    kda_steps,
+    l2_normalize,
+)
 
 ATOL = 1e-5
 
@@ -132,6 +139,17 @@ def test_split_sequence_carries_state(fn) -> None:
     o2, s2 = fn(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=s1)
     assert max_diff(torch.cat([o1, o2], dim=1), o_full) < ATOL
     assert max_diff(s2, s_full) < ATOL
+
+
+def test_steps_match_recurrent_and_keep_intermediate_states() -> None:
+    """The multi-token decode form (short prefills, verify blocks) walks the recurrent loop's states."""
+    x = make_inputs(T=9)
+    q, k, v, g, beta = prepped(x)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=x["state"])
+    o, s, kept = kda_steps(q, k, v, g, beta, x["state"], keep_after=[2, 8])
+    assert max_diff(o, o_ref) < ATOL and max_diff(s, s_ref) < ATOL
+    _, s3 = kda_recurrent(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], initial_state=x["state"])
+    assert max_diff(kept[0], s3) < ATOL and max_diff(kept[1], s_ref) < ATOL
 
 
 def test_packed_varlen_matches_each_sequence_alone() -> None:

@@ -52,11 +52,8 @@ class ModelCache(Protocol):
 
 @dataclass
 class PrefillPhase:
-    """One padded KDA call: segment [starts[i], starts[i] + lens[i]) of each sequence in `seqs`, all at once.
-
-    A sequence's prefill chunk is cut at its snapshot offsets; phase p runs every sequence's p-th segment, so the
-    states after a phase are the snapshots (or, after its last segment, the sequence's final state).
-    """
+    """One padded KDA call: segment [starts[i], starts[i] + lens[i]) of each sequence in `seqs`, all at once
+    (ReplaySSM replays accepted verify tokens this way; the forward itself uses `PackedPrefill`)."""
 
     seqs: list[int]
     starts: list[int]
@@ -86,7 +83,10 @@ class PackedPrefill:
     segment_end_chunks: list[int]  # per segment: the chunk holding its last token
     segment_seq: list[int]  # per segment: position of its sequence in `seqs`
     segment_snapshot: list[int | None]  # per segment: index into state_snapshots[seq], or None for the last one
+    segment_last_token: list[int]  # per segment: offset in its sequence's new tokens of its last token
     max_segment: int
+    padded_width: int  # the longest prefill sequence
+    padded_rows: torch.Tensor  # [Tp] row of each prefill token in a [len(seqs), padded_width] right-padded layout
 
 
 @dataclass
@@ -113,7 +113,6 @@ class ForwardBatch:
     kda_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
     _leading_single: int = field(default=0, repr=False)
-    _phases: list[PrefillPhase] | None = field(default=None, repr=False)
     _packed: dict[tuple[int, int], PackedPrefill] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,25 +149,6 @@ class ForwardBatch:
         """Every sequence is a decode row."""
         return self.num_decode == self.num_seqs
 
-    def prefill_phases(self) -> list[PrefillPhase]:
-        """The prefill sequences' segments, grouped into padded calls (computed once per batch, shared by layers)."""
-        if self._phases is None:
-            self._phases = []
-            bounds = {seq: self.prefill_bounds(seq) for seq in range(self.num_decode, self.num_seqs)}
-            for p in range(max((len(b) - 1 for b in bounds.values()), default=0)):
-                seqs = [seq for seq, b in bounds.items() if len(b) > p + 1]
-                starts = [bounds[seq][p] for seq in seqs]
-                lens = [bounds[seq][p + 1] - bounds[seq][p] for seq in seqs]
-                rows = [
-                    r
-                    for seq, a, n in zip(seqs, starts, lens)
-                    for r in range(self._starts[seq] + a, self._starts[seq] + a + n)
-                ]
-                snapshot = [p if p + 2 < len(bounds[seq]) else None for seq in seqs]
-                rows_t = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
-                self._phases.append(PrefillPhase(seqs, starts, lens, rows_t, snapshot))
-        return self._phases
-
     def prefill_bounds(self, seq: int) -> list[int]:
         """Segment boundaries of a prefill sequence's new tokens: 0, its snapshot offsets, extend_len."""
         snaps = self.state_snapshots[seq] if self.state_snapshots else []
@@ -180,7 +160,9 @@ class ForwardBatch:
         if key not in self._packed:
             seqs = list(range(self.num_decode, self.num_seqs))
             conv_tok, conv_hist, conv_state, chunk_rows = [], [], [], []
-            first_chunks, seg_end, seg_seq, seg_snap = [], [], [], []
+            first_chunks, seg_end, seg_seq, seg_snap, seg_last = [], [], [], [], []
+            width = max((self.extend_lens[seq] for seq in seqs), default=0)
+            padded_rows = [i * width + t for i, seq in enumerate(seqs) for t in range(self.extend_lens[seq])]
             conv_at = chunk_at = max_segment = 0
             for i, seq in enumerate(seqs):
                 n = self.extend_lens[seq]
@@ -197,6 +179,7 @@ class ForwardBatch:
                     conv_state.append(list(range(conv_at + b, conv_at + b + keep)))
                     seg_seq.append(i)
                     seg_snap.append(p if p + 2 < len(bounds) else None)
+                    seg_last.append(b - 1)
                     max_segment = max(max_segment, b - a)
                 conv_at += keep + n
             as_rows = lambda rows: torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
@@ -212,7 +195,10 @@ class ForwardBatch:
                 segment_end_chunks=seg_end,
                 segment_seq=seg_seq,
                 segment_snapshot=seg_snap,
+                segment_last_token=seg_last,
                 max_segment=max_segment,
+                padded_width=width,
+                padded_rows=as_rows(padded_rows),
             )
         return self._packed[key]
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, PrefillPhase
-from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_recurrent, kda_step, l2_normalize
+from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_step, kda_steps, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
 from kestrel.models.weight_loaders import reshape_loader, set_loader, stacked_loader
@@ -97,24 +97,13 @@ class KDAAttention(nn.Module):
                     mixed[:nd], g[:nd], beta[:nd], conv_state[:nd], rec_state[:nd]
                 )
             packed = batch.packed_prefill(CHUNK_SIZE, self.kernel - 1)
-            if packed.max_segment > RECURRENT_MAX_TOKENS:
-                # Out of place: training backpropagates through the initial states read here.
-                out, conv_p, rec_p = self.prefill_packed(
-                    mixed[nd:], g[nd:], beta[nd:], packed, conv_state[nd:], rec_state[nd:], cache
-                )
-                o, conv_state, rec_state = (
-                    torch.cat([a[:nd], b]) for a, b in ((o, out), (conv_state, conv_p), (rec_state, rec_p))
-                )
-            else:
-                for phase in batch.prefill_phases():
-                    seqs = torch.as_tensor(phase.seqs, device=x.device)
-                    out, conv_p, rec_p = self.prefill(mixed, g, beta, phase, conv_state[seqs], rec_state[seqs])
-                    o = o.index_copy(0, phase.rows, out)
-                    conv_state = conv_state.index_copy(0, seqs, conv_p)
-                    rec_state = rec_state.index_copy(0, seqs, rec_p)
-                    for i, (seq, j) in enumerate(zip(phase.seqs, phase.snapshot)):
-                        if j is not None:
-                            cache.store_state_snapshot(self.layer_id, seq, j, conv_p[i], rec_p[i])
+            # Out of place: training backpropagates through the initial states read here.
+            out, conv_p, rec_p = self.prefill_packed(
+                mixed[nd:], g[nd:], beta[nd:], packed, conv_state[nd:], rec_state[nd:], cache
+            )
+            o, conv_state, rec_state = (
+                torch.cat([a[:nd], b]) for a, b in ((o, out), (conv_state, conv_p), (rec_state, rec_p))
+            )
         if cache is not None:
             cache.store_state(self.layer_id, conv_state, rec_state)
         return self._output(o, gate, x.dtype)
@@ -128,7 +117,8 @@ class KDAAttention(nn.Module):
         return o, window[:, :, 1:], rec_state
 
     def prefill_packed(self, mixed, g, beta, packed: PackedPrefill, conv_state, rec_state, cache):
-        """Every prefill sequence at once in the varlen layouts (no padding to the longest sequence).
+        """Every prefill sequence at once in the varlen layouts (no padding to the longest sequence for the chunked
+        form; sequences of at most RECURRENT_MAX_TOKENS tokens take the token loop over a right-padded batch).
 
         mixed, g, beta: the prefill rows; conv_state / rec_state: their sequences' states. Hands mid-prefill states
         to the cache as snapshots and returns (outputs [rows, H, V], final conv states, final recurrent states).
@@ -143,17 +133,21 @@ class KDAAttention(nn.Module):
         for j in range(1, self.kernel):
             conv = conv.addcmul(x[j : j + span], w[:, j])
         q, k, v = self._qkv(F.silu(conv[packed.conv_token_rows - keep]))
+        if packed.padded_width <= RECURRENT_MAX_TOKENS:
+            o, states = self._short_recurrent(q, k, v, g, beta, packed, rec_state)
+        else:
 
-        def place(t: torch.Tensor) -> torch.Tensor:  # prefill rows -> chunk layout, zeros in the padding
-            return t.new_zeros(packed.chunk_len, *t.shape[1:]).index_copy(0, packed.chunk_rows, t)
+            def place(t: torch.Tensor) -> torch.Tensor:  # prefill rows -> chunk layout, zeros in the padding
+                return t.new_zeros(packed.chunk_len, *t.shape[1:]).index_copy(0, packed.chunk_rows, t)
 
-        o, states = kda_chunked_packed(
-            *(place(t) for t in (q, k, v, g, beta)),
-            rec_state,
-            packed.first_chunks,
-            packed.segment_end_chunks,
-            chunk_size=CHUNK_SIZE,
-        )
+            o, states = kda_chunked_packed(
+                *(place(t) for t in (q, k, v, g, beta)),
+                rec_state,
+                packed.first_chunks,
+                packed.segment_end_chunks,
+                chunk_size=CHUNK_SIZE,
+            )
+            o = o[packed.chunk_rows]
         convs = x[packed.conv_state_rows].transpose(1, 2).to(conv_state.dtype)  # [segments, dim, keep]
         finals = []
         for i, (seq, snap) in enumerate(zip(packed.segment_seq, packed.segment_snapshot)):
@@ -161,7 +155,22 @@ class KDAAttention(nn.Module):
                 finals.append(i)
             else:
                 cache.store_state_snapshot(self.layer_id, packed.seqs[seq], snap, convs[i], states[i])
-        return o[packed.chunk_rows], convs[finals], states[finals]
+        return o, convs[finals], states[finals]
+
+    def _short_recurrent(self, q, k, v, g, beta, packed: PackedPrefill, rec_state):
+        """Short sequences token by token over a right-padded batch (padding has k = 0, β = 0, g = 0, so each
+        sequence's state stops changing after its last token). Returns outputs [rows, H, V] and segment-end states."""
+        b, width = len(packed.seqs), packed.padded_width
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(b * width, *t.shape[1:]).index_copy(0, packed.padded_rows, t)
+            return out.view(b, width, *t.shape[1:])
+
+        ends = sorted(set(packed.segment_last_token))
+        o, _, kept = kda_steps(pad(q), pad(k), pad(v), pad(g), pad(beta), rec_state, ends)
+        at = {t: i for i, t in enumerate(ends)}
+        states = torch.stack([kept[at[t]][seq] for seq, t in zip(packed.segment_seq, packed.segment_last_token)])
+        return o.reshape(b * width, *o.shape[2:])[packed.padded_rows], states
 
     def prefill(self, mixed, g, beta, phase: PrefillPhase, conv_state, rec_state):
         """One segment of each of several sequences in one right-padded call, each from its own states.
@@ -185,6 +194,8 @@ class KDAAttention(nn.Module):
         # The conv state after a segment: its last keep inputs, at conv_in[:, :, len : len + keep].
         at = (lens[:, None] + torch.arange(keep, device=device))[:, None, :].expand(-1, self.conv_dim, -1)
         q, k, v = self._qkv(conv)
-        form = kda_recurrent if width <= RECURRENT_MAX_TOKENS else kda_chunked
-        o, state = form(q, k, v, pad(g), pad(beta), rec_state)
+        if width <= RECURRENT_MAX_TOKENS:
+            o, state, _ = kda_steps(q, k, v, pad(g), pad(beta), rec_state)
+        else:
+            o, state = kda_chunked(q, k, v, pad(g), pad(beta), rec_state)
         return o[real], conv_in.gather(2, at).to(conv_state.dtype), state

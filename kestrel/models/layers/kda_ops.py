@@ -96,6 +96,42 @@ def kda_step(
     return o, state
 
 
+def kda_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep_after: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`kda_step` over T tokens (short prefills, verify blocks): everything not touching S is computed for all
+    tokens at once, so each token costs one matmul and three updates. Same layout and contract as kda_recurrent.
+
+    keep_after: token indices after which the whole-batch state is also returned (in that order). Returns
+    (o [B, T, H, V], final state, kept states).
+    """
+    dt = _compute_dtype(q, k, v, g, beta)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    state = _initial_state(state, k, v, dt)
+    decay = g.exp()
+    reads = torch.stack([k * decay, q * decay], dim=-2).unbind(1)  # per token [B, H, 2, K]
+    qk = (q * k).sum(-1, keepdim=True).unbind(1)
+    vs, betas, ks, decays = v.unbind(1), beta.unsqueeze(-1).unbind(1), k.unsqueeze(-1).unbind(1), decay.unsqueeze(-1)
+    decays = decays.unbind(1)
+    wanted = set(keep_after or ())
+    outs, kept = [], {}
+    for t in range(q.shape[1]):
+        read = torch.matmul(reads[t], state)  # [B, H, 2, V]
+        delta = (vs[t] - read[..., 0, :]) * betas[t]
+        outs.append(torch.addcmul(read[..., 1, :], qk[t], delta))
+        state = (state * decays[t]).addcmul_(ks[t], delta.unsqueeze(-2))
+        if t in wanted:
+            kept[t] = state
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, state, [kept[t] for t in keep_after or ()]
+
+
 def _intra_chunk_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """P[..., i, j] = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c]) for j <= i (0 above the diagonal), per chunk.
 
