@@ -72,10 +72,11 @@ class PagedCacheView:
         self.states.conv[layer].index_copy_(0, self.store_slots, conv_state.to(self.states.conv[layer].dtype))
         self.states.recurrent[layer].index_copy_(0, self.store_slots, recurrent_state.float())
 
-    def store_state_snapshot(self, layer, seq, index, conv_state, recurrent_state) -> None:
-        slot = self.snapshot_slots[seq][index]
-        self.states.conv[layer][slot] = conv_state
-        self.states.recurrent[layer][slot] = recurrent_state
+    def store_state_snapshots(self, layer, seqs, indices, conv_states, recurrent_states) -> None:
+        slots = [self.snapshot_slots[seq][index] for seq, index in zip(seqs, indices)]
+        slots_t = torch.tensor(slots, dtype=torch.long, device=conv_states.device)
+        self.states.conv[layer].index_copy_(0, slots_t, conv_states.to(self.states.conv[layer].dtype))
+        self.states.recurrent[layer].index_copy_(0, slots_t, recurrent_states.float())
 
 
 def latent_bounds(model: CausalLM) -> dict[int, float]:

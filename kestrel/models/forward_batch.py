@@ -44,10 +44,16 @@ class ModelCache(Protocol):
     def store_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         """Save the states after the batch's last token of each sequence."""
 
-    def store_state_snapshot(
-        self, layer: int, seq: int, index: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    def store_state_snapshots(
+        self,
+        layer: int,
+        seqs: list[int],
+        indices: list[int],
+        conv_states: torch.Tensor,
+        recurrent_states: torch.Tensor,
     ) -> None:
-        """Save sequence `seq`'s states after its `state_snapshots[seq][index]`-th new token (prefix cache)."""
+        """Save, for each i, sequence seqs[i]'s states after its `state_snapshots[seq][indices[i]]`-th new token
+        (prefix cache, speculative snapshots): conv [S, C, kernel-1], recurrent [S, H, K, V], one write per pool."""
 
 
 @dataclass
@@ -103,7 +109,7 @@ class ForwardBatch:
     # Filled by MoE layers when set to a dict: layer -> [T, top_k] expert ids actually used.
     routed_experts: dict[int, torch.Tensor] | None = None
     # Prefix-cache checkpoints: per sequence, sorted offsets m in [1, extend_len] after whose m-th new token the
-    # KDA layers also hand their states to `cache.store_state_snapshot` (None or [] = none).
+    # KDA layers also hand their states to `cache.store_state_snapshots` (None or [] = none).
     state_snapshots: list[list[int]] | None = None
     # Speculative decoding: the decoder stores the hidden states [T, d] after these layers into `captured`
     # (the draft's context), and KDA layers store their block inputs (conv input, gate, beta) into `kda_inputs`

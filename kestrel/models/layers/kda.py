@@ -149,12 +149,12 @@ class KDAAttention(nn.Module):
             )
             o = o[packed.chunk_rows]
         convs = x[packed.conv_state_rows].transpose(1, 2).to(conv_state.dtype)  # [segments, dim, keep]
-        finals = []
-        for i, (seq, snap) in enumerate(zip(packed.segment_seq, packed.segment_snapshot)):
-            if snap is None:
-                finals.append(i)
-            else:
-                cache.store_state_snapshot(self.layer_id, packed.seqs[seq], snap, convs[i], states[i])
+        finals = [i for i, snap in enumerate(packed.segment_snapshot) if snap is None]
+        if len(finals) < len(packed.segment_snapshot):
+            snaps = [i for i, snap in enumerate(packed.segment_snapshot) if snap is not None]
+            seqs = [packed.seqs[packed.segment_seq[i]] for i in snaps]
+            indices = [packed.segment_snapshot[i] for i in snaps]
+            cache.store_state_snapshots(self.layer_id, seqs, indices, convs[snaps], states[snaps])
         return o, convs[finals], states[finals]
 
     def _short_recurrent(self, q, k, v, g, beta, packed: PackedPrefill, rec_state):
