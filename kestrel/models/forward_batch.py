@@ -81,6 +81,7 @@ class PackedPrefill:
     seqs: list[int]  # the prefill sequences (batch order)
     conv_len: int
     conv_token_rows: torch.Tensor  # [Tp] conv-layout row of each prefill token
+    conv_out_rows: torch.Tensor  # [Tp] conv_token_rows - keep: where the conv run's output for each token is
     conv_history_rows: torch.Tensor  # [len(seqs) * keep] conv-layout rows of the cached conv inputs
     conv_state_rows: torch.Tensor  # [segments, keep] conv-layout rows whose inputs are the state after a segment
     chunk_len: int
@@ -89,10 +90,13 @@ class PackedPrefill:
     segment_end_chunks: list[int]  # per segment: the chunk holding its last token
     segment_seq: list[int]  # per segment: position of its sequence in `seqs`
     segment_snapshot: list[int | None]  # per segment: index into state_snapshots[seq], or None for the last one
+    final_segments: torch.Tensor  # segments that end their sequence's new tokens (one per sequence, in order)
+    snapshot_segments: torch.Tensor  # the other segments, whose end states are snapshots
     segment_last_token: list[int]  # per segment: offset in its sequence's new tokens of its last token
     max_segment: int
     padded_width: int  # the longest prefill sequence
     padded_rows: torch.Tensor  # [Tp] row of each prefill token in a [len(seqs), padded_width] right-padded layout
+    uniform: bool  # every prefill sequence has padded_width tokens: the padded layout is the rows themselves
 
 
 @dataclass
@@ -193,6 +197,7 @@ class ForwardBatch:
                 seqs=seqs,
                 conv_len=conv_at,
                 conv_token_rows=as_rows(conv_tok),
+                conv_out_rows=as_rows([r - keep for r in conv_tok]),
                 conv_history_rows=as_rows(conv_hist),
                 conv_state_rows=as_rows(conv_state).view(len(conv_state), keep),
                 chunk_len=chunk_at,
@@ -201,10 +206,13 @@ class ForwardBatch:
                 segment_end_chunks=seg_end,
                 segment_seq=seg_seq,
                 segment_snapshot=seg_snap,
+                final_segments=as_rows([i for i, snap in enumerate(seg_snap) if snap is None]),
+                snapshot_segments=as_rows([i for i, snap in enumerate(seg_snap) if snap is not None]),
                 segment_last_token=seg_last,
                 max_segment=max_segment,
                 padded_width=width,
                 padded_rows=as_rows(padded_rows),
+                uniform=len(padded_rows) == len(seqs) * width,
             )
         return self._packed[key]
 

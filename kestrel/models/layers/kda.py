@@ -132,7 +132,7 @@ class KDAAttention(nn.Module):
         conv = x[:span] * w[:, 0]
         for j in range(1, self.kernel):
             conv = conv.addcmul(x[j : j + span], w[:, j])
-        q, k, v = self._qkv(F.silu(conv[packed.conv_token_rows - keep]))
+        q, k, v = self._qkv(F.silu(conv.index_select(0, packed.conv_out_rows)))
         if packed.padded_width <= RECURRENT_MAX_TOKENS:
             o, states = self._short_recurrent(q, k, v, g, beta, packed, rec_state)
         else:
@@ -147,30 +147,36 @@ class KDAAttention(nn.Module):
                 packed.segment_end_chunks,
                 chunk_size=CHUNK_SIZE,
             )
-            o = o[packed.chunk_rows]
-        convs = x[packed.conv_state_rows].transpose(1, 2).to(conv_state.dtype)  # [segments, dim, keep]
-        finals = [i for i, snap in enumerate(packed.segment_snapshot) if snap is None]
-        if len(finals) < len(packed.segment_snapshot):
-            snaps = [i for i, snap in enumerate(packed.segment_snapshot) if snap is not None]
+            o, states = o[packed.chunk_rows], states.unbind(0)
+        rows = packed.conv_state_rows  # [segments, keep]
+        convs = x.index_select(0, rows.view(-1)).view(*rows.shape, dim).transpose(1, 2).to(conv_state.dtype)
+        if len(packed.snapshot_segments):
+            snaps = packed.snapshot_segments.tolist()
             seqs = [packed.seqs[packed.segment_seq[i]] for i in snaps]
             indices = [packed.segment_snapshot[i] for i in snaps]
-            cache.store_state_snapshots(self.layer_id, seqs, indices, convs[snaps], states[snaps])
-        return o, convs[finals], states[finals]
+            snap_convs, snap_states = convs.index_select(0, packed.snapshot_segments), [states[i] for i in snaps]
+            cache.store_state_snapshots(self.layer_id, seqs, indices, snap_convs, torch.stack(snap_states))
+        finals = packed.final_segments
+        return o, convs.index_select(0, finals), torch.stack([states[i] for i in finals.tolist()])
 
     def _short_recurrent(self, q, k, v, g, beta, packed: PackedPrefill, rec_state):
         """Short sequences token by token over a right-padded batch (padding has k = 0, β = 0, g = 0, so each
-        sequence's state stops changing after its last token). Returns outputs [rows, H, V] and segment-end states."""
+        sequence's state stops changing after its last token). Returns outputs [rows, H, V] and the segment-end states
+        (views of the loop's states, one [H, K, V] per segment: nothing is copied until the caller picks)."""
         b, width = len(packed.seqs), packed.padded_width
 
         def pad(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros(b * width, *t.shape[1:]).index_copy(0, packed.padded_rows, t)
-            return out.view(b, width, *t.shape[1:])
+            if not packed.uniform:
+                t = t.new_zeros(b * width, *t.shape[1:]).index_copy(0, packed.padded_rows, t)
+            return t.view(b, width, *t.shape[1:])
 
         ends = sorted(set(packed.segment_last_token))
         o, _, kept = kda_steps(pad(q), pad(k), pad(v), pad(g), pad(beta), rec_state, ends)
+        o = o.reshape(b * width, *o.shape[2:])
+        if not packed.uniform:
+            o = o[packed.padded_rows]
         at = {t: i for i, t in enumerate(ends)}
-        states = torch.stack([kept[at[t]][seq] for seq, t in zip(packed.segment_seq, packed.segment_last_token)])
-        return o.reshape(b * width, *o.shape[2:])[packed.padded_rows], states
+        return o, [kept[at[t]][seq] for seq, t in zip(packed.segment_seq, packed.segment_last_token)]
 
     def prefill(self, mixed, g, beta, phase: PrefillPhase, conv_state, rec_state):
         """One segment of each of several sequences in one right-padded call, each from its own states.
