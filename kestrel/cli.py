@@ -163,7 +163,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 DESCRIPTION = (
     "Kestrel serves hybrid KDA / DSA / MLA mixture-of-experts models of the Kimi K3.1 family (kimi_linear, "
-    "deepseek_v32, kimi_k3, and the DeepSeek-V3 / Kimi K2 line: deepseek_v3, kimi_k2 checkpoints) on CPU or CUDA. Run 'kestrel COMMAND --help' for a command's flags."
+    "deepseek_v32, kimi_k3; and the DeepSeek-V3 / Kimi K2 line: deepseek_v3, kimi_k2 checkpoints) on CPU or CUDA. "
+    "Run 'kestrel COMMAND --help' for a command's flags."
 )
 
 
