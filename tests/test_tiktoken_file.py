@@ -109,3 +109,30 @@ def test_malformed_file_names_the_line(tmp_path):
     (tmp_path / "tiktoken.model").write_text("aGk= 0\nnot-base64!! 1\n")
     with pytest.raises(TiktokenFileError, match=r"tiktoken.model:2"):
         tiktoken_tokenizer(tmp_path)
+
+
+def test_a_k2_checkpoint_with_only_tiktoken_model_serves_completions(tmp_path):
+    """make-model kimi_k2, its tokenizer.json swapped for a tiktoken.model: the server tokenizes with it."""
+    import httpx
+    from server_harness import running_server
+
+    from kestrel.models.checkpoint import make_model
+
+    path = make_model("kimi_k2", "tiny", tmp_path / "k2", seed=0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink()
+    ranks = _train_ranks(CORPUS, 60)
+    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    decoder = {str(len(ranks) + off): {"content": name, "special": True} for name, off in SPECIALS.items()}
+    (path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    config = json.loads((path / "config.json").read_text())
+    config |= {"bos_token_id": len(ranks), "eos_token_id": len(ranks) + 1, "pad_token_id": len(ranks) + 1}
+    (path / "config.json").write_text(json.dumps(config))
+    prompt = "Hello world! The weather in Beijing"
+    expected = _oracle_encode(prompt, ranks)
+    assert len(expected) < len(prompt.encode())
+    with running_server(str(path)) as (url, name):
+        body = {"model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert resp["usage"]["prompt_tokens"] == len(expected)
+    assert resp["usage"]["completion_tokens"] == 6 and isinstance(resp["choices"][0]["text"], str)
