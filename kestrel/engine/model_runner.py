@@ -14,6 +14,12 @@ from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 
 
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool[slots] for a [slots, d] pool and any-shaped slot ids, as one `index_select` (row copies): on CPU the
+    advanced-indexing kernel copies element by element, 2.7x slower for 512-wide latents, 14x for rope keys."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
+
+
 class PagedCacheView:
     """The `ModelCache` of one batch: token slots through one padded page table, state slots by id.
 
@@ -54,14 +60,15 @@ class PagedCacheView:
         return self.history_lens[: self.decode_slots.shape[0]]
 
     def decode_kv(self, layer):
-        return self.kv.latent[layer][self.decode_slots], self.kv.rope_key[layer][self.decode_slots]
+        slots = self.decode_slots
+        return gather_rows(self.kv.latent[layer], slots), gather_rows(self.kv.rope_key[layer], slots)
 
     def decode_index_keys(self, layer):
-        return self.kv.index_key[layer][self.decode_slots]
+        return gather_rows(self.kv.index_key[layer], self.decode_slots)
 
     def decode_kv_at(self, layer, positions):
         slots = self.decode_slots.gather(1, positions)
-        return self.kv.latent[layer][slots], self.kv.rope_key[layer][slots]
+        return gather_rows(self.kv.latent[layer], slots), gather_rows(self.kv.rope_key[layer], slots)
 
     def load_state(self, layer):
         return self.states.conv[layer][self.state_slots], self.states.recurrent[layer][self.state_slots]
