@@ -12,6 +12,7 @@ import torch
 
 from kestrel.dist.launch import RankFailure
 from kestrel.engine.config import EngineConfig
+from kestrel.models.presets import FAMILIES
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 from kestrel.server.args import add_server_args
 
@@ -205,7 +206,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 DESCRIPTION = (
     "Kestrel serves hybrid KDA / DSA / MLA mixture-of-experts models of the Kimi K3.1 family (kimi_linear, "
-    "deepseek_v32, kimi_k3 checkpoints) on CPU or CUDA. Run 'kestrel COMMAND --help' for a command's flags."
+    "deepseek_v32, kimi_k3; and the DeepSeek-V3 / Kimi K2 line: deepseek_v3, kimi_k2 checkpoints) on CPU or CUDA. "
+    "Run 'kestrel COMMAND --help' for a command's flags."
 )
 
 
@@ -226,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     mm = add_command(sub, "make-model", "write a random checkpoint in a family's real on-disk format")
-    mm.add_argument("--family", default=None, choices=["kimi_linear", "deepseek_v32", "kimi_k3"])
+    mm.add_argument("--family", default=None, choices=list(FAMILIES))
     mm.add_argument("--size", default="tiny", choices=["tiny", "small"])
     mm.add_argument("--out", required=True)
     mm.add_argument("--seed", type=int, default=0)

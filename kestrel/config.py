@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "kimi_k3")
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "kimi_k3", "deepseek_v3", "kimi_k2")
+# DeepSeek-V3 architecture (Kimi K2 checkpoints name it `kimi_k2`): plain MLA on every layer, no indexer.
+DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")
 LAYER_KINDS = ("kda", "mla", "dsa")
 
 
@@ -187,6 +189,8 @@ def _layer_kinds(raw: dict[str, Any], model_type: str, n_layers: int, has_indexe
     full = "dsa" if has_indexer else "mla"
     if model_type == "deepseek_v32":
         return ["dsa"] * n_layers
+    if model_type in DEEPSEEK_V3_TYPES:
+        return ["mla"] * n_layers
     lac = raw.get("linear_attn_config") or {}
     if "kda_layers" in lac and "full_attn_layers" in lac:
         kinds: list[str | None] = [None] * n_layers
@@ -217,8 +221,13 @@ def _mlp_kinds(raw: dict[str, Any], n_layers: int, model_type: str) -> list[str]
     n_experts = _first(raw, "num_experts", "n_routed_experts", "num_local_experts", default=0)
     if not n_experts:
         return ["dense"] * n_layers
-    first_dense = _first(raw, "first_k_dense_replace", default=3 if model_type == "deepseek_v32" else 1)
-    freq = _first(raw, "moe_layer_freq", default=1)
+    deepseek = model_type == "deepseek_v32" or model_type in DEEPSEEK_V3_TYPES
+    first_dense = int(_first(raw, "first_k_dense_replace", default=3 if deepseek else 1))
+    freq = int(_first(raw, "moe_layer_freq", default=1))
+    if first_dense < 0:
+        raise ConfigError("config field 'first_k_dense_replace': must be >= 0")
+    if freq < 1:
+        raise ConfigError("config field 'moe_layer_freq': must be >= 1")
     return ["moe" if i >= first_dense and (i - first_dense) % freq == 0 else "dense" for i in range(n_layers)]
 
 
@@ -244,6 +253,15 @@ def _eos_list(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _check_deepseek_v3(raw: dict[str, Any]) -> None:
+    """Reject DeepSeek-V3 options whose math Kestrel does not implement, rather than serve them wrongly."""
+    method = raw.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ConfigError(f"config field 'topk_method': unsupported {method!r} (DeepSeek-V3 routes with 'noaux_tc')")
+    if raw.get("rope_interleave", True) is False:
+        raise ConfigError("config field 'rope_interleave': false is unsupported (MLA rope is interleaved)")
 
 
 def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -277,7 +295,9 @@ def _parse(raw: dict[str, Any], model_type: str, vision: dict[str, Any] | None) 
     has_indexer = model_type == "deepseek_v32" or raw.get("index_topk") is not None
     lac = raw.get("linear_attn_config") or {}
     act = raw.get("hidden_act", "silu")
-    use_nope = bool(raw.get("mla_use_nope", model_type != "deepseek_v32"))
+    use_nope = bool(raw.get("mla_use_nope", model_type in ("kimi_linear", "kimi_k3")))
+    if model_type in DEEPSEEK_V3_TYPES:
+        _check_deepseek_v3(raw)
     use_grouped = raw.get("use_grouped_topk", True)
     n_group = int(_first(raw, "num_expert_group", "n_group", default=1)) if use_grouped else 1
     topk_group = int(_first(raw, "topk_group", default=1)) if use_grouped else 1

@@ -1,4 +1,5 @@
-"""Tokenizers: a checkpoint's own `tokenizer.json`, or a plain byte-level one for random checkpoints."""
+"""Tokenizers: a checkpoint's own `tokenizer.json` (or K2's `tiktoken.model`), or a byte-level one for random
+checkpoints."""
 
 from __future__ import annotations
 
@@ -72,5 +73,10 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer.json, else its tiktoken.model (Kimi K2 ships only that), else None."""
     file = Path(path) / "tokenizer.json"
-    return Tokenizer.from_file(str(file)) if file.exists() else None
+    if file.exists():
+        return Tokenizer.from_file(str(file))
+    from kestrel.tiktoken_file import TIKTOKEN_FILE, tiktoken_tokenizer
+
+    return tiktoken_tokenizer(path) if (Path(path) / TIKTOKEN_FILE).exists() else None

@@ -32,3 +32,27 @@ def tiny_checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return {fam: make_model(fam, "tiny", root / fam, seed=3) for fam in ("kimi_linear", "deepseek_v32", "kimi_k3")}
+
+
+@pytest.fixture(scope="session")
+def hf_deepseek_v3(tmp_path_factory):
+    from hf_fixtures import save_hf_model
+
+    path = tmp_path_factory.mktemp("hf_deepseek_v3")
+    return save_hf_model("deepseek_v3", path, seed=4), path
+
+
+@pytest.fixture(scope="session")
+def hf_deepseek_v3_no_q_lora(tmp_path_factory):
+    from hf_fixtures import save_hf_model
+
+    path = tmp_path_factory.mktemp("hf_deepseek_v3_no_q_lora")
+    return save_hf_model("deepseek_v3_no_q_lora", path, seed=5), path
+
+
+@pytest.fixture(scope="session")
+def hf_kimi_k2(tmp_path_factory):
+    from hf_fixtures import save_hf_model
+
+    path = tmp_path_factory.mktemp("hf_kimi_k2")
+    return save_hf_model("kimi_k2", path, seed=6), path

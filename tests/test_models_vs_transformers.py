@@ -11,6 +11,7 @@ from kestrel.models.simple_cache import full_logits, greedy_generate
 pytest.importorskip("transformers")
 
 PROMPT_LEN = 48
+FIXTURES = ["hf_kimi_linear", "hf_deepseek_v32", "hf_deepseek_v3", "hf_deepseek_v3_no_q_lora", "hf_kimi_k2"]
 
 
 def _prompt(seed: int, vocab: int = 320) -> torch.Tensor:
@@ -23,7 +24,7 @@ def _hf_greedy(hf, prompt: torch.Tensor, n: int) -> list[int]:
     return out[0, prompt.shape[0] :].tolist()
 
 
-@pytest.mark.parametrize("fixture", ["hf_kimi_linear", "hf_deepseek_v32"])
+@pytest.mark.parametrize("fixture", FIXTURES)
 def test_full_sequence_logits_match_transformers(fixture, request):
     hf, path = request.getfixturevalue(fixture)
     model, _ = load_model(path)
@@ -33,7 +34,7 @@ def test_full_sequence_logits_match_transformers(fixture, request):
     assert torch.allclose(full_logits(model, prompt), expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("fixture", ["hf_kimi_linear", "hf_deepseek_v32"])
+@pytest.mark.parametrize("fixture", FIXTURES)
 def test_greedy_tokens_match_transformers_generate(fixture, request):
     hf, path = request.getfixturevalue(fixture)
     model, _ = load_model(path)
@@ -42,7 +43,7 @@ def test_greedy_tokens_match_transformers_generate(fixture, request):
     assert ours == _hf_greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("fixture", ["hf_kimi_linear", "hf_deepseek_v32"])
+@pytest.mark.parametrize("fixture", FIXTURES)
 def test_decode_with_cache_matches_full_forward(fixture, request):
     _, path = request.getfixturevalue(fixture)
     model, _ = load_model(path)

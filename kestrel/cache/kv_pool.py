@@ -17,6 +17,12 @@ from kestrel.quant.fp4 import nvfp4_global_scale
 from kestrel.quant.kv_formats import KVTokenLayout
 
 
+def select_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool[slots] for a [slots, d] pool and any-shaped slot ids, as one `index_select` (row copies): on CPU the
+    advanced-indexing kernel copies element by element, 2.7x slower for 512-wide latents, 14x for rope keys."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
+
+
 class PageAllocator(FreeList):
     """Page ids for the scheduler; a request's page table addresses every MLA/DSA layer at once."""
 
@@ -72,11 +78,11 @@ class KVStorage:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [*slots.shape, r] and rope keys [*slots.shape, dr] at the given slots."""
-        return self.latent[layer][slots], self.rope_key[layer][slots]
+        return select_rows(self.latent[layer], slots), select_rows(self.rope_key[layer], slots)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
         index = self.index_key[layer]
-        return index[slots] if index is not None else None
+        return select_rows(index, slots) if index is not None else None
 
     @property
     def packed_bytes_per_token(self) -> int:
@@ -154,12 +160,12 @@ class QuantizedKVStorage(KVStorage):
             self.index_key[layer].index_copy_(0, slots, lay.encode_index(index_key))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.latent[layer][slots]
+        rows = select_rows(self.latent[layer], slots)
         return self.layouts[layer].decode_latent(rows, self.global_scale[layer], self.dtype)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
         index = self.index_key[layer]
-        return self.layouts[layer].decode_index(index[slots], self.dtype) if index is not None else None
+        return self.layouts[layer].decode_index(select_rows(index, slots), self.dtype) if index is not None else None
 
     def _tensors(self) -> list[torch.Tensor]:
         out = []

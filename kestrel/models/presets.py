@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("kimi_linear", "deepseek_v32", "kimi_k3")
+FAMILIES = ("kimi_linear", "deepseek_v32", "kimi_k3", "deepseek_v3", "kimi_k2")
 SIZES = ("tiny", "small")
 
 # Per-size dimensions shared by the families. `small` lands near 20M parameters.
@@ -112,6 +112,8 @@ def preset_config(family: str, size: str) -> dict[str, Any]:
                 "beta_slow": 1,
             },
         }
+    if family in ("deepseek_v3", "kimi_k2"):
+        return common | _deepseek_v3(family, d)
     kda_layers, full_layers = _kda_layout(d["layers"])
     kimi = common | {
         "model_type": "kimi_linear",
@@ -159,4 +161,37 @@ def preset_config(family: str, size: str) -> dict[str, Any]:
         "text_config": text,
         "vision_config": None,
         "tie_word_embeddings": False,
+    }
+
+
+def _deepseek_v3(family: str, d: dict[str, int]) -> dict[str, Any]:
+    """DeepSeek-V3's on-disk fields (grouped `noaux_tc` routing); Kimi K2 is the same architecture renamed,
+    ungrouped, with K2's long YaRN context."""
+    k2 = family == "kimi_k2"
+    return {
+        "model_type": family,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "q_lora_rank": d["q_rank"],
+        "n_routed_experts": d["experts"],
+        "num_experts_per_tok": d["top_k"],
+        "n_shared_experts": 1,
+        "moe_layer_freq": 1,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": 1 if k2 else 2,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "num_nextn_predict_layers": 0,
+        "max_position_embeddings": 131072 if k2 else 16384,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 32.0 if k2 else 4.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 1.0 if k2 else 32.0,
+            "beta_slow": 1.0,
+        },
+        "rope_theta": 50000.0 if k2 else 10000.0,
     }

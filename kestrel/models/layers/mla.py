@@ -15,7 +15,7 @@ from torch import nn
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.dsa import Indexer, causal_mask, topk_mask
-from kestrel.models.layers.linear import FusedLinear
+from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
 
@@ -157,15 +157,16 @@ class MLAAttention(nn.Module):
 
     def _attend_latent_padded(self, q_nope, q_rope, latent, rope_key, allowed) -> torch.Tensor:
         """Absorbed attention of one query per sequence over its own keys: latents [B, L, r], allowed [B, L]."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        out_dtype, ct = q_nope.dtype, compiled_cpu_product_dtype(q_nope)
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank).to(ct)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        latent = latent.to(q_nope.dtype)
+        q_nope, latent = q_nope.to(ct), latent.to(ct)
         scores = torch.einsum("bhr,blr->bhl", torch.einsum("bhd,hdr->bhr", q_nope, w_uk), latent)
         if self.rope_dim:
-            scores = scores + torch.einsum("bhd,bld->bhl", q_rope, rope_key.to(q_rope.dtype))
+            scores = scores + torch.einsum("bhd,bld->bhl", q_rope.to(ct), rope_key.to(ct))
         scores = (scores * self.scale).masked_fill(~allowed[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        return torch.einsum("bhr,hvr->bhv", torch.einsum("bhl,blr->bhr", probs, latent), w_uv)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(ct)
+        return torch.einsum("bhr,hvr->bhv", torch.einsum("bhl,blr->bhr", probs, latent), w_uv).to(out_dtype)
 
     # -- the two attention forms ------------------------------------------------------------------------
     def attend_naive(

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.models.layers.linear import FusedLinear
+from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.weight_loaders import expert_loader, set_loader
@@ -118,10 +118,11 @@ class Experts(nn.Module):
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each pair's expert weights gathered into two batched matmuls: inductor fuses the gather, no copy."""
         t, k = ids.shape
-        flat = ids.reshape(-1)
-        xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, D, 1]
-        gate, up = torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1).chunk(2, dim=-1)
-        y = torch.bmm(self.down_proj[flat], self.act(gate, up)[:, :, None]).view(t, k, -1)
+        flat, ct = ids.reshape(-1), compiled_cpu_product_dtype(x)  # fp32 on CPU: see there
+        xs = x.repeat_interleave(k, dim=0)[:, :, None].to(ct)  # [T*k, D, 1]
+        gate, up = torch.bmm(self.gate_up_proj[flat].to(ct), xs).squeeze(-1).chunk(2, dim=-1)
+        h = self.act(gate.to(x.dtype), up.to(x.dtype))
+        y = torch.bmm(self.down_proj[flat].to(ct), h[:, :, None].to(ct)).view(t, k, -1)
         return (y * weights[:, :, None]).sum(1).to(x.dtype)
 
 
