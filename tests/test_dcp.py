@@ -119,3 +119,72 @@ def test_shard_count_matches_shard_positions():
                     expect = dcp.shard_positions(length, r, world, inter).numel()
                     assert int(dcp.shard_count(torch.tensor([length]), r, world, inter)) == expect
                 assert int(counts) == dcp.shard_positions(length, 0, world, inter).numel()
+
+
+def _attention_case(world: int) -> dict:
+    """q [B, H, Dk] over keys / values [B, L, D]; lengths: full, ragged, one token (empty shards), none."""
+    gen = torch.Generator().manual_seed(world)
+    b, h, length, dk, dv = 5, 2 * world, 23, 8, 6
+    return {
+        "q": torch.randn(b, h, dk, generator=gen),
+        "k": torch.randn(b, length, dk, generator=gen) * 2,
+        "v": torch.randn(b, length, dv, generator=gen),
+        "lengths": torch.tensor([23, 11, 1, 0, 2]),
+        "scale": dk**-0.5,
+    }
+
+
+def _reference_attention(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank, whole history: softmax attention (rows with no keys: output 0, lse -inf)."""
+    logits = torch.einsum("bhd,bld->bhl", case["q"], case["k"]) * case["scale"]
+    allowed = torch.arange(logits.shape[-1])[None, :] < case["lengths"][:, None]
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    out = torch.einsum("bhl,bld->bhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), case["v"])
+    return out, torch.logsumexp(logits, dim=-1)
+
+
+def _rank_lse_merge(groups, world: int) -> dict:
+    group = groups.world
+    case = _attention_case(world)
+    pos = dcp.shard_positions(case["k"].shape[1], group.rank, world)
+    allowed = pos[None, :] < case["lengths"][:, None]
+    out, lse = dcp.partial_attention(case["q"], case["k"][:, pos], case["v"][:, pos], allowed, case["scale"])
+    got = {}
+    for name, merge in (("allgather", dcp.merge_allgather), ("alltoall", dcp.merge_alltoall)):
+        comm.reset_counters()
+        got[name] = (*merge(out, lse, group), dict(comm.BYTES))
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lse_merge_of_sharded_attention_equals_one_rank_attention(world):
+    results = spawn_ranks(_rank_lse_merge, ParallelLayout(tp=world), world)
+    case = _attention_case(world)
+    ref_out, ref_lse = _reference_attention(case)
+    b, h, dv = ref_out.shape
+    block = h // world
+    for rank, got in enumerate(results):
+        heads = slice(rank * block, (rank + 1) * block)
+        for name, (out, lse, _moved) in got.items():
+            assert out.shape == (b, block, dv), name
+            torch.testing.assert_close(out, ref_out[:, heads], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse, ref_lse[:, heads], atol=1e-5, rtol=1e-5)
+            assert not out.isnan().any() and (out[3] == 0).all()  # the row with no history at all
+        assert got["allgather"][2] == {"all_gather": b * h * 4, "reduce_scatter": b * h * dv * 4}
+        assert got["alltoall"][2] == {"all_to_all": b * h * (dv + 1) * 4}
+
+
+def test_merge_partials_handles_empty_shards_and_rows():
+    """Simulated ranks: shards with no keys (lse -inf) drop out; a row empty everywhere gives 0, not NaN."""
+    case = _attention_case(4)
+    parts = []
+    for r in range(4):
+        pos = dcp.shard_positions(case["k"].shape[1], r, 4)
+        allowed = pos[None, :] < case["lengths"][:, None]
+        parts.append(dcp.partial_attention(case["q"], case["k"][:, pos], case["v"][:, pos], allowed, case["scale"]))
+    assert (parts[3][1][2] == float("-inf")).all()  # rank 3 holds nothing of the one-token row
+    out, lse = dcp.merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    ref_out, ref_lse = _reference_attention(case)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse)
+    assert (out[3] == 0).all() and (lse[3] == float("-inf")).all()
