@@ -9,6 +9,7 @@ mapped to an order-preserving int32 in the high half, (2^32 - 1 - position) in t
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,9 @@ from kestrel.dist.groups import Group
 
 INVALID = torch.iinfo(torch.int64).min  # key of "no candidate": below every real (score, position)
 _LOW = 0xFFFFFFFF
+# Running totals of this process's DCP work (merges, fallback_pairs, candidate_bytes, fallback_bytes,
+# decode_layers): how often the exact merge had to read a rank's full top-k, and what it all moved.
+TOTALS: Counter[str] = Counter()
 
 
 # -- sharding -------------------------------------------------------------------------------------------
@@ -157,6 +161,12 @@ def dcp_topk(
             stats.fallback_ranks.append(r)
         merged = merge_candidates(cands, k, fallback)
     scores, positions = unpack_keys(merged)
+    TOTALS.update(
+        merges=1,
+        fallback_pairs=stats.fallback_pairs,
+        candidate_bytes=stats.candidate_bytes,
+        fallback_bytes=stats.fallback_bytes,
+    )
     return scores, positions, stats
 
 

@@ -73,6 +73,7 @@ def dcp_mla_decode(
         keys = keys.gather(1, rows.expand(-1, -1, keys.shape[-1]))
         values = values.gather(1, rows.expand(-1, -1, values.shape[-1]))
         allowed = mine
+    dcp.TOTALS["decode_layers"] += 1
     out, lse = dcp.partial_attention(q_all, keys, values, allowed, attn.scale)  # [D, H, r], [D, H]
     out = (dcp.merge_alltoall if merge == "alltoall" else dcp.merge_allgather)(out, lse, group)[0]
     return torch.einsum("bhr,hvr->bhv", out, w_uv.float()).to(q_nope.dtype)
