@@ -188,3 +188,21 @@ def test_merge_partials_handles_empty_shards_and_rows():
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse)
     assert (out[3] == 0).all() and (lse[3] == float("-inf")).all()
+
+
+def test_dcp_flags_parse_and_validate():
+    from kestrel.cli import build_parser, engine_kwargs
+    from kestrel.config import ConfigError
+    from kestrel.engine.config import EngineConfig
+
+    argv = ["generate", "--prompt", "x", "--tp", "4", "--dcp-size", "2", "--dcp-interleave", "2"]
+    args = build_parser().parse_args(argv + ["--dcp-topk-candidates", "64", "--dcp-merge", "allgather"])
+    layout = EngineConfig(**engine_kwargs(args)).parallel_layout()
+    assert (layout.tp, layout.dcp, layout.dcp_interleave, layout.dcp_candidates) == (4, 2, 2, 64)
+    assert layout.dcp_merge == "allgather"
+    with pytest.raises(ConfigError, match="'dcp'"):
+        EngineConfig(tp=3, dcp=2)
+    with pytest.raises(ConfigError, match="'page_size'"):
+        EngineConfig(tp=4, dcp=4, dcp_interleave=2, page_size=4)  # a page must split evenly over the ranks
+    with pytest.raises(ConfigError, match="dp_attn"):
+        ParallelLayout(tp=4, dp_attn=2, dcp=2).validate()
