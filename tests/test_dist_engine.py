@@ -36,7 +36,7 @@ def run_scenario(llm: LLM, seed: int = 0) -> dict:
     engine = llm.engine
     kv = engine.runner.kv
     result = {
-        "kv_rows_per_page": next(iter(kv.latent.values())).shape[0] // (engine.pages.num_pages + 1),
+        "kv_rows_per_page": next(iter(kv.latent.values())).shape[0] // (engine.runner.scratch_page + 1),
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [o.outputs[0].logprobs for o in outs],
         "cached": sum(o.outputs[0].cached_tokens for o in outs[len(first) :]),
