@@ -8,6 +8,7 @@ import torch
 from dist_harness import spawn_ranks
 
 from kestrel import LLM, SamplingParams
+from kestrel.dist import dcp
 from kestrel.dist.groups import ParallelLayout
 
 FAMILIES = ["kimi_linear", "deepseek_v32", "kimi_k3"]
@@ -33,7 +34,9 @@ def run_scenario(llm: LLM, seed: int = 0) -> dict:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     outs = llm.generate(first, params, use_tqdm=False) + llm.generate(second, params, use_tqdm=False)
     engine = llm.engine
+    kv = engine.runner.kv
     result = {
+        "kv_rows_per_page": next(iter(kv.latent.values())).shape[0] // (engine.runner.scratch_page + 1),
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [o.outputs[0].logprobs for o in outs],
         "cached": sum(o.outputs[0].cached_tokens for o in outs[len(first) :]),
@@ -61,7 +64,9 @@ def _rank(groups, paths: dict[str, str], engine_args: dict) -> dict | None:
             follow_engine(config, groups)
             continue
         try:
+            dcp.TOTALS.clear()
             out[family] = run_scenario(LLM(path, **engine_args))
+            out[family]["dcp"] = dict(dcp.TOTALS)
         finally:
             release_followers()
     return out if groups.rank == 0 else None
@@ -90,12 +95,25 @@ def _assert_same(got: dict, want: dict, dp_attn: int) -> None:
         (ParallelLayout(tp=2), "allgather"),  # experts split inside (moe tp 2)
         (ParallelLayout(tp=4, ep=4), "alltoall"),
         (ParallelLayout(tp=2, ep=2, dp_attn=2), "allgather"),
+        # Decode context parallelism (MLA/DSA KV sharded by token): 4 DSA candidates per rank < index_topk (16),
+        # so the exact top-k merge falls back; interleaved pages; the all-gather / reduce-scatter merge.
+        (ParallelLayout(tp=2, dcp=2, dcp_candidates=4), "allgather"),
+        (ParallelLayout(tp=4, ep=2, dcp=4, dcp_merge="allgather"), "allgather"),
+        (ParallelLayout(tp=4, dcp=2, dcp_interleave=2), "allgather"),
     ],
-    ids=["tp2", "tp4-ep4-alltoall", "dp-attn2-tp2-ep2"],
+    ids=["tp2", "tp4-ep4-alltoall", "dp-attn2-tp2-ep2", "tp2-dcp2-c4", "tp4-ep2-dcp4-allgather", "tp4-dcp2-inter2"],
 )
 def test_parallel_engine_matches_single_process(layout, dispatch, tiny_checkpoints, single_process):
     paths = {fam: str(tiny_checkpoints[fam]) for fam in FAMILIES}
     args = ENGINE_ARGS | dict(tp=layout.tp, ep=layout.ep, dp_attn=layout.dp_attn, moe_dispatch=dispatch)
+    args |= dict(dcp=layout.dcp, dcp_interleave=layout.dcp_interleave, dcp_topk_candidates=layout.dcp_candidates)
+    args |= dict(dcp_merge=layout.dcp_merge)
     got = spawn_ranks(_rank, layout, paths, args)[0]
     for fam in FAMILIES:
         _assert_same(got[fam], single_process[fam], layout.dp_attn)
+        # Under DCP each rank's pool keeps 1/dcp of every page, and every MLA/DSA decode ran sharded.
+        assert got[fam]["kv_rows_per_page"] == ENGINE_ARGS["page_size"] // layout.dcp
+        assert (got[fam]["dcp"].get("decode_layers", 0) > 0) == (layout.dcp > 1)
+        if layout.dcp > 1 and fam != "kimi_linear":  # DSA: the exact top-k merge ran, and fell back when C < k
+            assert got[fam]["dcp"]["merges"] > 0
+            assert (got[fam]["dcp"]["fallback_pairs"] > 0) == (layout.dcp_candidates < 16)

@@ -65,3 +65,31 @@ def test_plan_equals_what_every_rank_allocates(layout, small_checkpoints):
             n_dsa = sum(cfg.layer_kinds[i] == "dsa" for i in cfg.attention_layers)
             assert got["kv_per_token"] == p.kv_bytes_per_token_per_rank + n_dsa * (cfg.index_head_dim - 4)
         assert ranks[0][family] == ranks[-1][family]  # every rank of these layouts holds the same amount
+
+
+def _dcp_pool(groups, path: str, page_size: int) -> float:
+    """KV pool bytes per token of this rank's runner, sized as the engine sizes it (8 pages of `page_size`)."""
+    from kestrel.dist.runner import DistModelRunner
+    from kestrel.dist.tensor_parallel import load_sharded_model
+
+    model, _ = load_sharded_model(path, groups, torch.bfloat16)
+    if groups.rank == 0:
+        runner = DistModelRunner(model, 8, page_size, 1, torch.bfloat16, groups)
+    else:
+        runner = DistModelRunner.follower(model, torch.bfloat16, groups)
+    kv = runner.kv
+    tensors = [*kv.latent.values(), *kv.rope_key.values(), *(t for t in kv.index_key.values() if t is not None)]
+    return sum(t.numel() * t.element_size() for t in tensors) / ((runner.scratch_page + 1) * page_size)
+
+
+def test_plan_kv_per_rank_under_dcp_equals_the_engine_pool(small_checkpoints):
+    """DCP 2 within TP 2: each rank's pool holds half of every page, as the planner's per-rank KV bytes say."""
+    path = small_checkpoints["kimi_k3"]
+    cfg = load_model_config(path)
+    ranks = spawn_ranks(_dcp_pool, ParallelLayout(tp=2, dcp=2), path, 4)
+    lay = dict(gpus=2, tp=2, gpu_mem_gib=64, context_len=4096, weight_format="bf16", kv_format="bf16")
+    p, p1 = plan(cfg, Layout(**lay, dcp=2)), plan(cfg, Layout(**lay))
+    n_dsa = sum(cfg.layer_kinds[i] == "dsa" for i in cfg.attention_layers)
+    engine_format = n_dsa * (cfg.index_head_dim - 4)  # bf16 index keys in the engine, FP8 + scale in the planner
+    assert p.kv_bytes_per_token_per_rank * 2 == p1.kv_bytes_per_token_per_rank
+    assert ranks == [(p.kv_bytes_per_token_per_rank * 2 + engine_format) / 2] * 2

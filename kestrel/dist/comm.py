@@ -79,6 +79,15 @@ def exchange_counts(counts: list[int], group: Group) -> list[int]:
     return recv.tolist()
 
 
+def broadcast(x: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor:
+    """Broadcast x in place from the group's `src_index`-th rank over the device group."""
+    if group.size == 1:
+        return x
+    _count("broadcast", x)
+    dist.broadcast(x, src=group.ranks[src_index], group=group.device_group)
+    return x
+
+
 def broadcast_cpu(x: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor:
     """Broadcast a CPU tensor from the group's `src_index`-th rank over the gloo metadata group."""
     if group.size == 1:

@@ -1,7 +1,9 @@
 """One group builder: the world's ranks → tensor-, attention-, expert-parallel axes, each a pair of groups.
 
-Axes (SGLang's layout): the world is `tp` ranks (`pp`, `dcp`, `pcp` are reserved axes of the next issue and
-must be 1 here). Attention runs `dp_attn` data-parallel groups of `tp / dp_attn` ranks each; MoE experts run over
+Axes (SGLang's layout): the world is `tp` ranks (`pp` and `pcp` are reserved axes of the next issue and must be
+1 here). Decode context parallelism splits each attention-TP group into `attn_tp / dcp` DCP groups of `dcp`
+consecutive ranks that shard the MLA / DSA KV by token (kestrel.dist.dcp).
+Attention runs `dp_attn` data-parallel groups of `tp / dp_attn` ranks each; MoE experts run over
 all `tp` ranks as `ep` expert groups of `tp / ep` ranks that split each expert's intermediate dimension.
 Rank r: attention-DP index r // attn_tp, attention-TP rank r % attn_tp; expert rank r // moe_tp, moe-TP rank
 r % moe_tp. Every axis has a gloo CPU group (metadata: step plans, counts) and a device group (tensors: gloo on
@@ -10,7 +12,7 @@ CPU, NCCL on CUDA).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,9 @@ class ParallelLayout:
     pcp: int = 1
     pp: int = 1
     expert_map: tuple[int, ...] | None = None
+    dcp_interleave: int = 1  # consecutive tokens kept together on one DCP rank
+    dcp_candidates: int = 384  # C: DSA top-k candidates each DCP rank sends first
+    dcp_merge: str = "alltoall"  # how partial attention outputs are combined: alltoall | allgather
 
     @property
     def world(self) -> int:
@@ -51,9 +56,13 @@ class ParallelLayout:
 
         for name in ("tp", "ep", "dp_attn", "dcp", "pcp", "pp"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1")
-        for name in ("dcp", "pcp", "pp"):
+        for name in ("pcp", "pp"):
             need(getattr(self, name) == 1, f"{name} > 1 is not supported yet (context/pipeline parallelism)")
         need(self.tp % self.dp_attn == 0, "tp % dp_attn == 0 (attention-DP groups split the TP ranks)")
+        need(self.attn_tp % self.dcp == 0, f"attention tp ({self.attn_tp}) % dcp ({self.dcp}) == 0")
+        need(self.dcp == 1 or self.dp_attn == 1, "dcp > 1 with dp_attn > 1 is not supported yet")
+        need(self.dcp_interleave >= 1 and self.dcp_candidates >= 1, "dcp_interleave and dcp_candidates >= 1")
+        need(self.dcp_merge in ("alltoall", "allgather"), "dcp_merge is alltoall or allgather")
         need(self.tp % self.ep == 0, "tp % ep == 0 (expert groups split the TP ranks)")
         if cfg is None:
             return
@@ -63,9 +72,11 @@ class ParallelLayout:
             need(n % self.attn_tp == 0, f"{name} ({n}) % attention tp ({self.attn_tp}) == 0")
         moe = "moe" in cfg.mlp_kinds
         if moe:
-            need(cfg.moe_intermediate_size % self.moe_tp == 0, f"moe_intermediate_size % (tp / ep) == 0")
+            need(cfg.moe_intermediate_size % self.moe_tp == 0, "moe_intermediate_size % (tp / ep) == 0")
             if self.expert_map is not None:
-                need(len(self.expert_map) == cfg.num_experts, f"expert_map has one owner per expert ({cfg.num_experts})")
+                need(
+                    len(self.expert_map) == cfg.num_experts, f"expert_map has one owner per expert ({cfg.num_experts})"
+                )
                 need(all(0 <= o < self.ep for o in self.expert_map), f"expert_map owners in [0, {self.ep})")
                 need(set(self.expert_map) == set(range(self.ep)), "expert_map gives every EP rank an expert")
             else:
@@ -108,6 +119,7 @@ class Groups:
     attn_dp: Group  # the ranks with this rank's attention-TP index, one per attention-DP group
     moe_tp: Group
     moe_ep: Group
+    dcp: Group = field(default_factory=lambda: Group([0], 0))  # the ranks sharding this rank's MLA KV by token
 
     @property
     def dp_index(self) -> int:
@@ -166,6 +178,8 @@ def build_groups(layout: ParallelLayout, device: torch.device, timeout) -> Group
         _axis([list(range(e * m, (e + 1) * m)) for e in range(n // m)], rank, backend, timeout),
         _axis([list(range(j, n, m)) for j in range(m)], rank, backend, timeout),
     )
+    d = layout.dcp
+    groups.dcp = _axis([list(range(g * d, (g + 1) * d)) for g in range(n // d)], rank, backend, timeout)
     _CURRENT = groups
     return groups
 

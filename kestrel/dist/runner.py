@@ -15,6 +15,7 @@ import torch
 
 from kestrel.cache.pool_io import PoolIO
 from kestrel.dist import comm
+from kestrel.dist.dcp_cache import dcp_view
 from kestrel.dist.groups import Groups
 from kestrel.dist.launch import fail_job
 from kestrel.dist.dp_attention import DPStep, gather_rows, set_dp_step
@@ -157,6 +158,15 @@ class DistModelRunner(ModelRunner):
     ) -> DistModelRunner:
         num_pages, page_size, num_slots = comm.broadcast_cpu(torch.zeros(3, dtype=torch.long), groups.world).tolist()
         return cls(model, num_pages, page_size, num_slots, kv_dtype, groups, kv_cache_dtype)
+
+    def kv_rows_per_page(self, page_size: int) -> int:
+        return page_size // self.groups.dcp.size
+
+    def build(self, inputs):
+        """The batch over this rank's pools; under DCP its cache view keeps only this rank's tokens."""
+        batch, rows = super().build(inputs)
+        batch.cache = dcp_view(batch.cache, batch.positions, self.page_size, self.groups.dcp, self.groups.layout)
+        return batch, rows
 
     def pool_io(self, group: int = 0) -> PoolIO:
         return RecordingPoolIO(self, group)

@@ -90,6 +90,19 @@ class EngineConfig:
     dp_attn: int = field(
         default=1, metadata={"help": "attention data-parallel groups within --tp", "aliases": ["--dp-size"]}
     )
+    dcp: int = field(
+        default=1,
+        metadata={
+            "help": "decode context parallelism: MLA/DSA KV sharded by token within --tp",
+            "aliases": ["--dcp-size"],
+        },
+    )
+    dcp_interleave: int = field(default=1, metadata={"help": "consecutive tokens kept on one DCP rank"})
+    dcp_topk_candidates: int = field(default=384, metadata={"help": "DSA top-k candidates each DCP rank sends first"})
+    dcp_merge: str = field(
+        default="alltoall",
+        metadata={"help": "combining DCP partial attention outputs", "choices": ("alltoall", "allgather")},
+    )
     enable_dp_attention: bool = field(
         default=False, metadata={"help": "SGLang's switch; --dp-size is then the attention-DP size (as --dp-attn)"}
     )
@@ -112,7 +125,16 @@ class EngineConfig:
         from kestrel.dist.groups import ParallelLayout
 
         owners = tuple(int(x) for x in self.ep_expert_map.split(",")) if self.ep_expert_map else None
-        return ParallelLayout(tp=self.tp, ep=self.ep, dp_attn=self.dp_attn, expert_map=owners)
+        return ParallelLayout(
+            tp=self.tp,
+            ep=self.ep,
+            dp_attn=self.dp_attn,
+            dcp=self.dcp,
+            expert_map=owners,
+            dcp_interleave=self.dcp_interleave,
+            dcp_candidates=self.dcp_topk_candidates,
+            dcp_merge=self.dcp_merge,
+        )
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, why: str) -> None:
@@ -142,8 +164,14 @@ class EngineConfig:
         need(2 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens", "must be in [2, 16]")
         need(self.speculative_draft_window_size >= 1, "speculative_draft_window_size", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
-        for name in ("tp", "ep", "dp_attn", "nnodes"):
+        for name in ("tp", "ep", "dp_attn", "dcp", "dcp_interleave", "dcp_topk_candidates", "nnodes"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
+        need(self.tp % self.dcp == 0, "dcp", f"must divide --tp ({self.tp})")
+        need(
+            self.page_size % (self.dcp * self.dcp_interleave) == 0,
+            "page_size",
+            f"must be a multiple of dcp x dcp_interleave ({self.dcp * self.dcp_interleave}): pages split evenly",
+        )
         need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
         need(self.dist_timeout > 0, "dist_timeout", "must be > 0 seconds")
         need(self.moe_dispatch in ("allgather", "alltoall"), "moe_dispatch", "allgather|alltoall")

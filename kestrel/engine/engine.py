@@ -114,7 +114,7 @@ class Engine:
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         num_slots = self._num_slots()
-        self.kv_bytes_per_token = kv_bytes_per_token(cfg, DTYPES[config.dtype], config.kv_cache_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg, DTYPES[config.dtype], config.kv_cache_dtype) // config.dcp
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers

@@ -165,7 +165,8 @@ class ModelRunner:
         # One page and one state slot past what the allocators hand out: padding rows of a compiled decode
         # step read and write only there.
         self.scratch_page, self.scratch_slot = num_pages, num_slots
-        self.kv = make_kv_storage(cfg, num_pages + 1, page_size, kv_dtype, device, kv_cache_dtype, latent_bounds(model))
+        rows = self.kv_rows_per_page(page_size)
+        self.kv = make_kv_storage(cfg, num_pages + 1, rows, kv_dtype, device, kv_cache_dtype, latent_bounds(model))
         self.states = StateStorage(cfg, num_slots + 1, model.dtype, device) if cfg.kda_layers else None
         self._offsets = torch.arange(page_size, device=device)
         self.compiled = CompiledDecode(self, compile_max_bs) if compile_max_bs > 0 else None
@@ -173,6 +174,10 @@ class ModelRunner:
         # keep their KDA inputs for a replay (ReplaySSM) instead of snapshotting states.
         self.capture_layers: tuple[int, ...] = ()
         self.replay_verify = False
+
+    def kv_rows_per_page(self, page_size: int) -> int:
+        """KV pool rows per page (a decode-context-parallel rank keeps only its share of each page's tokens)."""
+        return page_size
 
     def prepare(self, plan: SchedulePlan, pad_to: int = 0) -> tuple[ForwardBatch, torch.Tensor, list[tuple[int, int]]]:
         """One ForwardBatch for the plan, the rows whose logits are sampled, and the state-slot copies to make

@@ -138,6 +138,8 @@ class MLAAttention(nn.Module):
         so a long history costs its index keys plus k latents. Equals the per-sequence masked form up to summation
         order. Only tensor shapes are read (no Python ints from the batch), so a compiled step keeps one graph.
         """
+        if getattr(cache, "dcp_decode", None) is not None:  # decode context parallelism: KV sharded by token
+            return cache.dcp_decode(self, q_nope, q_rope, index_q, index_w)
         lengths = cache.decode_lengths()
         if self.indexer is None:
             latent, rope_key = cache.decode_kv(self.layer_id)
