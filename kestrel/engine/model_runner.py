@@ -13,6 +13,7 @@ from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.lora import LoRAManager
 
 
 class PagedCacheView:
@@ -154,6 +155,7 @@ class ModelRunner:
         self.states = StateStorage(cfg, num_slots + 1, model.dtype, device) if cfg.kda_layers else None
         self._offsets = torch.arange(page_size, device=device)
         self.compiled = CompiledDecode(self, compile_max_bs) if compile_max_bs > 0 else None
+        self.lora: LoRAManager | None = None  # set by the engine when it serves adapters
 
     def prepare(self, plan: SchedulePlan, pad_to: int = 0) -> tuple[ForwardBatch, torch.Tensor, list[tuple[int, int]]]:
         """One ForwardBatch for the plan, the rows whose logits are sampled, and the state-slot copies to make
@@ -230,6 +232,9 @@ class ModelRunner:
         batch, rows, copies = self.prepare(plan, pad_to=bucket)
         if routed:
             batch.routed_experts = {}
+        if self.lora is not None:  # each row's adapter; the LoRA hooks group rows by adapter once per step
+            slot = {name: self.lora.slot_of(name) for name in {c.request.lora_name for c in plan.chunks} if name}
+            self.lora.set_rows([slot.get(c.request.lora_name) for c in plan.chunks for _ in range(c.num_tokens)])
         hidden = self.compiled(batch) if bucket else self.model(batch)
         for src, dst in copies:
             self.states.copy(src, dst)
