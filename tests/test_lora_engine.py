@@ -4,31 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lora_fixtures import write_adapters
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import ConfigError
-from kestrel.models.loader import load_model
-from kestrel.models.lora import lora_targets
 from kestrel.models.simple_cache import greedy_generate
-from kestrel.train.lora import new_adapter, save_adapter
 
 NEW_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_checkpoints, tmp_path_factory):
-    """Two PEFT adapters on the tiny K3 model: one on every projection, one on a few (different ranks)."""
-    model, cfg = load_model(tiny_checkpoints["kimi_k3"])
-    names = sorted({m.rsplit(".", 1)[-1] for m in lora_targets(model)})
-    root = tmp_path_factory.mktemp("adapters")
-    paths = {}
-    for i, (name, targets, r) in enumerate([("a1", names, 4), ("a2", ["q_proj", "o_proj", "down_proj"], 2)]):
-        adapter = new_adapter(model, targets, r=r, lora_alpha=2.0 * r, name=name, seed=i)
-        gen = torch.Generator().manual_seed(100 + i)
-        for m, (a, b) in adapter.weights.items():
-            adapter.weights[m] = (a, torch.randn(b.shape, generator=gen) * 0.2)
-        paths[name] = save_adapter(adapter, root / name, cfg.model_type)
-    return paths
+    return write_adapters(tiny_checkpoints["kimi_k3"], tmp_path_factory.mktemp("adapters"))
 
 
 def _greedy() -> SamplingParams:

@@ -154,6 +154,7 @@ class Engine:
         )
         self.lora: LoRAManager | None = None
         self._lora_key: dict[str, int] = {}  # adapter name -> its prefix-cache key offset
+        self.lora_paths: dict[str, str] = {}  # adapter name -> the folder it was loaded from
         self._lora_keys_used: set[int] = set()  # never reused in a run: an unloaded adapter's pages may linger
         if config.enable_lora:
             self.lora = self.runner.lora = LoRAManager(self.model)
@@ -300,6 +301,7 @@ class Engine:
             key = key % spaces + 1
         self._lora_keys_used.add(key)
         self._lora_key[name] = key * self.model_config.vocab_size
+        self.lora_paths[name] = str(path)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Drop an adapter no queued or running request uses (ValueError otherwise)."""
@@ -308,7 +310,7 @@ class Engine:
         if any(r.lora_name == name for g in self._groups.values() for r in g if not r.is_finished):
             raise ValueError(f"lora_name: adapter {name!r} is in use by queued or running requests")
         self.lora.remove(name)
-        del self._lora_key[name]
+        del self._lora_key[name], self.lora_paths[name]
 
     @property
     def lora_names(self) -> list[str]:

@@ -139,7 +139,12 @@ def load_peft(path: str | Path, name: str | None = None) -> LoRAAdapter:
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not (root / f).is_file():
             raise ValueError(f"LoRA adapter at {root}: missing {f}")
-    config = json.loads((root / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text())
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter at {root}: {CONFIG_FILE} is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter at {root}: {CONFIG_FILE} must hold an object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter at {root}: peft_type {config['peft_type']!r} is not LORA")
     for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
@@ -153,8 +158,12 @@ def load_peft(path: str | Path, name: str | None = None) -> LoRAAdapter:
         r, alpha = int(config["r"]), float(config["lora_alpha"])
     except KeyError as e:
         raise ValueError(f"LoRA adapter at {root}: adapter_config.json lacks {e.args[0]}") from None
+    try:
+        tensors = load_file(root / WEIGHTS_FILE)
+    except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+        raise ValueError(f"LoRA adapter at {root}: unreadable {WEIGHTS_FILE} ({exc})") from None
     halves: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(root / WEIGHTS_FILE).items():
+    for key, tensor in tensors.items():
         m = _TENSOR.match(key)
         if m is None:
             raise ValueError(f"LoRA adapter at {root}: unexpected tensor {key}")
