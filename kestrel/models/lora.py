@@ -1,13 +1,14 @@
 """LoRA adapters as a separate term beside the frozen base: y = x Wᵀ + (alpha/r) · (x Aᵀ) Bᵀ, never merged into W.
 
-One `LoRAManager` per model holds every loaded adapter in a numbered slot and a hook on each projection an adapter
-targets. A forward applies adapters segment-wise: the batch's rows are grouped by slot once (`set_rows`) and each
-hooked projection adds, per slot present, one low-rank product over that slot's rows (a loop over adapters, not
-requests). On a fused projection (`FusedLinear`: KDA q|k|v|f_a|b|g, MLA q_a|kv_a|..., MLP gate|up) an adapter on
-one part adds only to that part's output columns.
+One `LoRAManager` per model holds every loaded adapter in a numbered slot and a hook on each projection an
+adapter targets. A forward applies adapters segment-wise: the batch's rows are grouped by slot once per step
+(`set_rows`, one row mask per slot) and each hooked projection adds, per slot present, one masked low-rank product
+(a loop over the adapters present, not over requests). On a fused projection (`FusedLinear`: KDA q|k|v|f_a|b|g,
+MLA q_a|kv_a|..., MLP gate|up) an adapter on one part adds only to that part's output columns.
 
-Targets (checkpoint module names' last component): every projection whose `forward` computes x Wᵀ. Kept frozen and
-not targetable, as Miles does: the MoE router (`mlp.gate`, a scoring matrix whose top-k is not differentiable and
+Targets (checkpoint module names' last component): every projection whose `forward` computes x Wᵀ. Miles' recipe
+adapts the attention projections, the dense MLP and the shared and routed experts over a frozen base; kept frozen
+and not targetable here: the MoE router (`mlp.gate`, a scoring matrix whose top-k is not differentiable and
 which routing replay must see unchanged), the DSA indexer (`indexer.wk`, `indexer.weights_proj`, `indexer.wq_b`:
 it only chooses positions and trains on its own distillation loss), and `kv_b_proj` (the absorbed MLA forms read
 its weight directly, so an activation-side term would miss them). Routed experts (per-expert B) are not yet
@@ -201,11 +202,10 @@ class _Hook:
                     if cols.start < columns.start or cols.stop > columns.stop:
                         continue
                     cols = slice(cols.start - columns.start, cols.stop - columns.start)
-                if rows is None:
-                    out[..., cols] += F.linear(F.linear(x, a), b) * scale
-                else:
-                    delta = F.linear(F.linear(x.index_select(0, rows), a), b) * scale
-                    out[:, cols] = out[:, cols].index_add(0, rows, delta)
+                h = F.linear(x, a)
+                if rows is not None:
+                    h = h * rows  # zero the rank-space rows of other adapters
+                out[..., cols] += F.linear(h, b) * scale
         return out
 
 
@@ -217,6 +217,7 @@ class LoRAManager:
         self.targets = lora_targets(model)
         self.adapters: dict[int, LoRAAdapter] = {}
         self.hooks: dict[int, _Hook] = {}  # id(module) -> hook
+        # (slot, row mask [T, 1] or None for every row) of the next forward.
         self.segments: list[tuple[int, torch.Tensor | None]] = []
 
     def slot_of(self, name: str) -> int:
@@ -254,7 +255,12 @@ class LoRAManager:
         del self.adapters[slot]
 
     def set_rows(self, slots: list[int | None] | None) -> None:
-        """Per-row slot (None = base) of the next forward, grouped once into one row set per slot."""
+        """Per-row slot (None = base) of the next forward, as one row mask [T, 1] per slot present.
+
+        Each slot's low-rank product runs over every row and the mask zeroes the others in rank space: its flops
+        are r/out of the base matmul's, and on CPU this beat gathering the slot's rows and scattering them back
+        (index_select / index_add_ cost more than the whole product).
+        """
         self.segments = []
         if not slots:
             return
@@ -262,10 +268,9 @@ class LoRAManager:
         if len(present) == 1 and all(s == present[0] for s in slots):
             self.segments = [(present[0], None)]
             return
-        device = self.model.lm_head.weight.device
-        for slot in present:
-            rows = torch.tensor([i for i, s in enumerate(slots) if s == slot], dtype=torch.long, device=device)
-            self.segments.append((slot, rows))
+        w = self.model.lm_head.weight
+        ids = torch.tensor([-1 if s is None else s for s in slots], device=w.device)
+        self.segments = [(slot, (ids == slot)[:, None].to(w.dtype)) for slot in present]
 
     def apply_to_all(self, slot: int | None) -> None:
         """Every row of every forward uses `slot` (a trainer's single adapter); None = the base alone."""
