@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from lora_fixtures import reference_tokens, write_adapters
@@ -21,8 +23,8 @@ def setup(tiny_checkpoints, tmp_path_factory):
             yield http, name, checkpoint, adapters
 
 
-def _generate(http, input_ids, lora_path=None):
-    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}}
+def _generate(http, input_ids, lora_path=None, new=NEW):
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}}
     if lora_path is not None:
         body["lora_path"] = lora_path
     return http.post("/generate", json=body)
@@ -76,3 +78,30 @@ def test_load_and_unload_while_serving(setup, tmp_path):
     assert r.status_code == 400 and "unreadable adapter_model.safetensors" in r.json()["error"]["message"]
     assert http.post("/unload_lora_adapter", json={"lora_name": "nope"}).status_code == 400
     assert _generate(http, PROMPTS[0], "a1").status_code == 200
+
+
+def test_load_and_unload_during_traffic_lose_no_request(setup):
+    """Adapter changes between engine steps while requests of the base and of a1 are decoding."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    http, _, checkpoint, adapters = setup
+    long = 48  # long enough that the adapter changes land while these decode
+    want = {lo: reference_tokens(checkpoint, adapters.get(lo), PROMPTS[0], long) for lo in (None, "a1")}
+
+    def one(lo):
+        with httpx.Client(base_url=str(http.base_url), timeout=60) as c:
+            return lo, _generate(c, PROMPTS[0], lo, long)
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, lo) for lo in [None, "a1"] * 6]
+        load = {"lora_name": "a2", "lora_path": str(adapters["a2"])}
+        deadline = time.monotonic() + 10
+        while not http.get("/get_server_info").json()["internal_states"][0]["running"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for _ in range(3):
+            assert http.post("/load_lora_adapter", json=load).is_success
+            assert http.post("/unload_lora_adapter", json={"lora_name": "a2"}).is_success
+        for f in futures:
+            lo, r = f.result()
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == want[lo]
