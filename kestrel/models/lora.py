@@ -11,9 +11,11 @@ adapts the attention projections, the dense MLP and the shared and routed expert
 and not targetable here: the MoE router (`mlp.gate`, a scoring matrix whose top-k is not differentiable and
 which routing replay must see unchanged), the DSA indexer (`indexer.wk`, `indexer.weights_proj`, `indexer.wq_b`:
 it only chooses positions and trains on its own distillation loss), and `kv_b_proj` (the absorbed MLA forms read
-its weight directly, so an activation-side term would miss them). Routed experts (per-expert B) are not yet
-targetable. On disk an adapter is PEFT's format: `adapter_config.json` + `adapter_model.safetensors` with tensors
-`base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r].
+its weight directly, so an activation-side term would miss them). Routed experts take per-expert A and B on
+gate_proj / up_proj / down_proj (names `...mlp.experts.<e>.<proj>`, Kimi's w1 / w3 / w2 on disk), added to each
+(token, expert) pair's outputs inside the grouped expert computation. On disk an adapter is PEFT's format:
+`adapter_config.json` + `adapter_model.safetensors` with tensors `base_model.model.<module>.lora_A.weight`
+[r, in] and `.lora_B.weight` [out, r].
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kestrel.models.layers.linear import FusedLinear
+from kestrel.models.layers.moe import Experts, segment_linear
 
 TARGETABLE = frozenset(
     {
@@ -59,12 +62,20 @@ class LoRAAdapter:
         return self.lora_alpha / self.r
 
 
-def lora_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str | None]]:
-    """Every targetable projection: Kestrel module name → (module, part of a FusedLinear or None)."""
-    out: dict[str, tuple[nn.Module, str | None]] = {}
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+_KIMI_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def lora_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str | tuple[int, str] | None]]:
+    """Every targetable projection: Kestrel module name → (module, part of a FusedLinear, (expert, projection) of
+    the routed experts, or None)."""
+    out: dict[str, tuple[nn.Module, str | tuple[int, str] | None]] = {}
     for name, module in model.named_modules():
         parent, _, leaf = name.rpartition(".")
-        if isinstance(module, FusedLinear):
+        if type(module) is Experts:  # per-expert A and B (MXFP4-packed experts are not targetable)
+            for e in range(module.gate_up_proj.shape[0]):
+                out |= {f"{name}.{e}.{proj}": (module, (e, proj)) for proj in EXPERT_PROJS}
+        elif isinstance(module, FusedLinear):
             for part in module.parts:
                 if part in TARGETABLE:
                     out[f"{parent}.{part}"] = (module, part)
@@ -73,7 +84,11 @@ def lora_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str | None]]:
     return out
 
 
-def _in_out(module: nn.Module, part: str | None) -> tuple[int, int]:
+def in_out(module: nn.Module, part: str | tuple[int, str] | None) -> tuple[int, int]:
+    """(in, out) features of one target (A is [r, in], B is [out, r])."""
+    if isinstance(part, tuple):
+        inter, hidden = module.down_proj.shape[2], module.down_proj.shape[1]
+        return (inter, hidden) if part[1] == "down_proj" else (hidden, inter)
     return module.in_features, module.parts[part] if part is not None else module.out_features
 
 
@@ -89,7 +104,7 @@ def validate(adapter: LoRAAdapter, model: nn.Module, max_rank: int | None = None
     for module, (a, b) in adapter.weights.items():
         if module not in targets:
             raise ValueError(f"adapter {adapter.name!r}: {module} is not a LoRA-targetable projection of this model")
-        d_in, d_out = _in_out(*targets[module])
+        d_in, d_out = in_out(*targets[module])
         if tuple(a.shape) != (adapter.r, d_in) or tuple(b.shape) != (d_out, adapter.r):
             raise ValueError(
                 f"adapter {adapter.name!r}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
@@ -97,9 +112,23 @@ def validate(adapter: LoRAAdapter, model: nn.Module, max_rank: int | None = None
             )
 
 
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+
+
 def _disk_name(model_type: str, name: str) -> str:
-    """Kimi checkpoints name every feed-forward block `block_sparse_moe` (as `export_state_dict` writes them)."""
-    return name.replace(".mlp.", ".block_sparse_moe.") if model_type in ("kimi_linear", "kimi_k3") else name
+    """Kimi checkpoints name every feed-forward block `block_sparse_moe` and the experts' projections w1 / w3 / w2
+    (as `export_state_dict` writes them)."""
+    if model_type not in ("kimi_linear", "kimi_k3"):
+        return name
+    name = _EXPERT_NAME.sub(lambda m: f".experts.{m.group(1)}.{_KIMI_EXPERT[m.group(2)]}", name)
+    return name.replace(".mlp.", ".block_sparse_moe.")
+
+
+def _kestrel_name(name: str) -> str:
+    """A checkpoint module name in Kestrel's naming (the inverse of `_disk_name`)."""
+    back = {v: k for k, v in _KIMI_EXPERT.items()}
+    name = _EXPERT_NAME.sub(lambda m: f".experts.{m.group(1)}.{back.get(m.group(2), m.group(2))}", name)
+    return name.replace(".block_sparse_moe.", ".mlp.")
 
 
 def save_peft(adapter: LoRAAdapter, path: str | Path, model_type: str, base_model: str | None = None) -> Path:
@@ -168,7 +197,7 @@ def load_peft(path: str | Path, name: str | None = None) -> LoRAAdapter:
         m = _TENSOR.match(key)
         if m is None:
             raise ValueError(f"LoRA adapter at {root}: unexpected tensor {key}")
-        module = m.group(1).replace(".block_sparse_moe.", ".mlp.")
+        module = _kestrel_name(m.group(1))
         halves.setdefault(module, {})[m.group(2)] = tensor
     weights = {}
     for module, ab in halves.items():
@@ -209,6 +238,82 @@ class _Hook:
         return out
 
 
+class _ExpertsHook:
+    """The LoRA terms of a routed-experts module: per slot and projection, A [E, r, in] and B [E, out, r] stacked
+    over experts (zeros for experts the adapter leaves alone), applied to each (token, expert) pair."""
+
+    def __init__(self, manager: LoRAManager, module: Experts) -> None:
+        self.manager, self.module = manager, module
+        self.entries: dict[int, dict[str, tuple[list, list, float]]] = {}
+        self.cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # stacked inference weights
+
+    def add(self, slot: int, expert: int, proj: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        n = self.module.gate_up_proj.shape[0]
+        a_list, b_list, _ = self.entries.setdefault(slot, {}).setdefault(proj, ([None] * n, [None] * n, scale))
+        a_list[expert], b_list[expert] = a, b
+        self.cache.pop((slot, proj), None)
+
+    def active(self) -> bool:
+        return any(slot in self.entries for slot, _ in self.manager.segments)
+
+    def _stacked(self, a_list: list, b_list: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """[E, r', in] and [E, out, r'], the rank zero-padded to a multiple of 8 (the grouped GEMM wants 16-byte
+        strides; the zero columns add exact zeros)."""
+        a0 = next(a for a in a_list if a is not None)
+        r = a0.shape[0]
+        pad = -r % 8
+        a = torch.stack([a if a is not None else a0.new_zeros(a0.shape) for a in a_list])
+        b = torch.stack([b if b is not None else a0.new_zeros(self._out(b_list), r) for b in b_list])
+        if pad:
+            a = torch.cat([a, a.new_zeros(a.shape[0], pad, a.shape[2])], dim=1)
+            b = torch.cat([b, b.new_zeros(b.shape[0], b.shape[1], pad)], dim=2)
+        return a, b
+
+    @staticmethod
+    def _out(b_list: list) -> int:
+        return next(b for b in b_list if b is not None).shape[0]
+
+    def _delta(self, proj: str, xs: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        total = None
+        for slot, rows in self.manager.segments:
+            entry = self.entries.get(slot, {}).get(proj)
+            if entry is None:
+                continue
+            key = (slot, proj)
+            if key in self.cache:
+                a, b = self.cache[key]
+            else:
+                a, b = self._stacked(entry[0], entry[1])
+                if not a.requires_grad:  # trained weights change every step: restack them each forward
+                    self.cache[key] = (a, b)
+            h = segment_linear(xs, a, counts)
+            if rows is not None:
+                h = h * rows[token_of]
+            d = segment_linear(h, b, counts) * entry[2]
+            total = d if total is None else total + d
+        return total
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`expert_segments` with the LoRA terms added to each pair's gate, up and down outputs."""
+        m = self.module
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(m.gate_up_proj.shape[0], dtype=torch.long, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        token_of = order // ids.shape[1]
+        xs = x[token_of]
+        gate, up = segment_linear(xs, m.gate_up_proj, counts).chunk(2, dim=-1)
+        gate_d, up_d = self._delta("gate_proj", xs, token_of, counts), self._delta("up_proj", xs, token_of, counts)
+        gate = gate if gate_d is None else gate + gate_d
+        up = up if up_d is None else up + up_d
+        h = m.act(gate, up)
+        y = segment_linear(h, m.down_proj, counts)
+        down_d = self._delta("down_proj", h, token_of, counts)
+        y = (y if down_d is None else y + down_d) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+
+
 class LoRAManager:
     """Adapters of one model in numbered slots; `segments` says which slot applies to which rows this forward."""
 
@@ -236,15 +341,18 @@ class LoRAManager:
             module, part = self.targets[module_name]
             hook = self.hooks.get(id(module))
             if hook is None:
-                hook = self.hooks[id(module)] = _Hook(self, module)
-                if isinstance(module, FusedLinear):
+                hook = self.hooks[id(module)] = (_ExpertsHook if isinstance(module, Experts) else _Hook)(self, module)
+                if isinstance(module, (FusedLinear, Experts)):
                     module.lora = hook
                 else:
                     module.register_forward_hook(lambda mod, args, out, h=hook: h(args[0], out))
-            w = module.weight
+            w = module.gate_up_proj if isinstance(module, Experts) else module.weight
             if not a.requires_grad:
                 a, b = a.to(w.device, w.dtype), b.to(w.device, w.dtype)
-            hook.entries.setdefault(slot, []).append((hook.columns(part), a, b, adapter.scale))
+            if isinstance(module, Experts):
+                hook.add(slot, *part, a, b, adapter.scale)
+            else:
+                hook.entries.setdefault(slot, []).append((hook.columns(part), a, b, adapter.scale))
         self.adapters[slot] = adapter
         return slot
 
@@ -252,6 +360,8 @@ class LoRAManager:
         slot = self.slot_of(name)
         for hook in self.hooks.values():
             hook.entries.pop(slot, None)
+            for key in [k for k in getattr(hook, "cache", {}) if k[0] == slot]:
+                del hook.cache[key]
         del self.adapters[slot]
 
     def set_rows(self, slots: list[int | None] | None) -> None:

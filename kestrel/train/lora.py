@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kestrel.models.lora import LoRAAdapter, LoRAManager, lora_targets, save_peft
+from kestrel.models.lora import LoRAAdapter, LoRAManager, in_out, lora_targets, save_peft
 
 
 def new_adapter(
@@ -39,9 +39,7 @@ def new_adapter(
     dtype = next(model.parameters()).dtype
     weights = {}
     for module_name in chosen:
-        module, part = targets[module_name]
-        d_in = module.in_features
-        d_out = module.parts[part] if part is not None else module.out_features
+        d_in, d_out = in_out(*targets[module_name])
         bound = 1.0 / math.sqrt(d_in)  # kaiming_uniform_(a=√5) on [r, in]: gain √(2/6) · √(3/in) = 1/√in
         a = (torch.rand(r, d_in, generator=gen) * 2 - 1) * bound
         weights[module_name] = (a.to(dtype), torch.zeros(d_out, r, dtype=dtype))
