@@ -159,7 +159,10 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
             continue
         kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
         choices = f.metadata.get("choices")
-        parser.add_argument(*flags, type=kind, default=default, dest=f.name, choices=choices, help=f.metadata["help"])
+        nargs = f.metadata.get("nargs")
+        parser.add_argument(
+            *flags, type=kind, default=default, dest=f.name, choices=choices, nargs=nargs, help=f.metadata["help"]
+        )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

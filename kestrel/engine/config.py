@@ -84,6 +84,15 @@ class EngineConfig:
         default=False, metadata={"help": "KDA rollback by replaying accepted tokens (else per-position snapshots)"}
     )
 
+    # LoRA serving (kestrel.models.lora): adapters beside the frozen base, chosen per request.
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (implied by --lora-paths)"})
+    lora_paths: list[str] | None = field(
+        default=None,
+        metadata={"help": "adapters to load at start, NAME=PATH each (PEFT folders; default: none)", "nargs": "+"},
+    )
+    max_loras_per_batch: int = field(default=8, metadata={"help": "distinct adapters in one engine step"})
+    max_lora_rank: int | None = field(default=None, metadata={"help": "largest adapter rank accepted (default: any)"})
+
     # Parallelism (kestrel.dist): one process per rank; rank 0 schedules and samples, the others follow.
     tp: int = field(default=1, metadata={"help": "tensor-parallel ranks", "aliases": ["--tp-size"]})
     ep: int = field(default=1, metadata={"help": "expert-parallel groups within --tp", "aliases": ["--ep-size"]})
@@ -179,6 +188,18 @@ class EngineConfig:
             owners = self.ep_expert_map.split(",")
             need(all(x.strip().isdigit() for x in owners), "ep_expert_map", "ints, comma-separated")
         self.parallel_layout().validate()
+        if self.lora_paths:
+            self.enable_lora = True  # as SGLang: --lora-paths implies --enable-lora
+            for entry in self.lora_paths:
+                name, sep, path = entry.partition("=")
+                need(bool(sep and name and path), "lora_paths", f"NAME=PATH entries, got {entry!r}")
+            names = [e.partition("=")[0] for e in self.lora_paths]
+            need(len(set(names)) == len(names), "lora_paths", "adapter names must be unique")
+        need(self.max_loras_per_batch >= 1, "max_loras_per_batch", "must be >= 1")
+        need(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        if self.enable_lora:
+            need(not self.compile, "compile", "not supported with --enable-lora yet")
+            need(self.tp == 1, "tp", "--enable-lora needs --tp 1 for now")
         if self.tp > 1:
             need(not self.compile, "compile", "not supported with --tp > 1 yet")
             need(self.hicache_size == 0 and self.hicache_storage_dir is None, "hicache_size", "not with --tp > 1 yet")

@@ -35,6 +35,7 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import SchedulePlan, Scheduler
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
+from kestrel.models.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAManager, load_peft
 from kestrel.spec.draft import load_spec_draft
 from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
@@ -154,7 +155,17 @@ class Engine:
             config.max_running_requests,
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
+            config.max_loras_per_batch if config.enable_lora else None,
         )
+        self.lora: LoRAManager | None = None
+        self._lora_key: dict[str, int] = {}  # adapter name -> its prefix-cache key offset
+        self.lora_paths: dict[str, str] = {}  # adapter name -> the folder it was loaded from
+        self._lora_keys_used: set[int] = set()  # never reused in a run: an unloaded adapter's pages may linger
+        if config.enable_lora:
+            self.lora = self.runner.lora = LoRAManager(self.model)
+            for entry in config.lora_paths or []:
+                name, _, lora_path = entry.partition("=")
+                self.load_lora_adapter(name, lora_path)
         if self.groups is not None and self.groups.layout.dp_attn > 1:  # a scheduler and pools per attention group
             self.pages, self.slots, self.cache, self.scheduler = dp_scheduling(self, num_pages, num_slots)
         self.eos_token_ids = set(eos)
@@ -242,6 +253,7 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         return_routed_experts: bool = False,
+        lora_name: str | None = None,
     ) -> str:
         """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it."""
         ids = self.encode(prompt)
@@ -255,6 +267,9 @@ class Engine:
             if params.prompt_logprobs is not None or return_routed_experts:
                 field = "prompt_logprobs" if params.prompt_logprobs is not None else "return_routed_experts"
                 raise ValueError(f"{field}: not supported with attention DP (--dp-attn > 1) yet")
+        if lora_name is not None and lora_name not in self._lora_key:
+            off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
+            raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -277,6 +292,8 @@ class Engine:
             req.generator = self.sampler.make_generator(sub, self.device)
             req.matcher = GrammarMatcher(sub.grammar) if sub.grammar is not None else None
             req.routed_experts = [] if return_routed_experts else None
+            if lora_name is not None:
+                req.lora_name, req.cache_key_offset = lora_name, self._lora_key[lora_name]
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
@@ -285,6 +302,40 @@ class Engine:
             self.scheduler.add(req)
         self._groups[request_id] = group
         return request_id
+
+    # -- LoRA adapters -----------------------------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter under `name`; ValueError naming what is wrong (missing file, shapes, rank)."""
+        if self.lora is None:
+            raise ValueError("lora: LoRA serving is off (start with --enable-lora)")
+        if name in self._lora_key:
+            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
+        adapter = load_peft(path, name)
+        self.lora.add(adapter, self.config.max_lora_rank)
+        # The cache namespace follows the adapter's bytes, so a disk-tier hit after a restart is the same adapter.
+        digest = hashlib.sha256()
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            digest.update((Path(path) / f).read_bytes())
+        spaces = (1 << 32) // self.model_config.vocab_size - 1  # shifted ids stay 4-byte page keys
+        key = int.from_bytes(digest.digest()[:8], "little") % spaces + 1
+        while key in self._lora_keys_used:
+            key = key % spaces + 1
+        self._lora_keys_used.add(key)
+        self._lora_key[name] = key * self.model_config.vocab_size
+        self.lora_paths[name] = str(path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Drop an adapter no queued or running request uses (ValueError otherwise)."""
+        if self.lora is None or name not in self._lora_key:
+            raise ValueError(f"lora_name: adapter {name!r} is not loaded")
+        if any(r.lora_name == name for g in self._groups.values() for r in g if not r.is_finished):
+            raise ValueError(f"lora_name: adapter {name!r} is in use by queued or running requests")
+        self.lora.remove(name)
+        del self._lora_key[name], self.lora_paths[name]
+
+    @property
+    def lora_names(self) -> list[str]:
+        return list(self._lora_key)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages and state slot return to the free lists immediately."""

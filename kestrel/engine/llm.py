@@ -24,15 +24,20 @@ class LLM:
         prompts: str | list[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_name: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. `lora_name`: a loaded adapter for
+        every prompt, or one per prompt (None: the base)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError("sampling_params: need one per prompt")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_name: need one per prompt")
+        ids = [self.engine.add_request(p, sp, lora_name=lo) for p, sp, lo in zip(prompts, per_prompt, loras)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:

@@ -13,6 +13,7 @@ from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.lora import LoRAManager
 
 
 class PagedCacheView:
@@ -178,6 +179,7 @@ class ModelRunner:
     def kv_rows_per_page(self, page_size: int) -> int:
         """KV pool rows per page (a decode-context-parallel rank keeps only its share of each page's tokens)."""
         return page_size
+        self.lora: LoRAManager | None = None  # set by the engine when it serves adapters
 
     def prepare(self, plan: SchedulePlan, pad_to: int = 0) -> tuple[ForwardBatch, torch.Tensor, list[tuple[int, int]]]:
         """One ForwardBatch for the plan, the rows whose logits are sampled, and the state-slot copies to make
@@ -264,6 +266,9 @@ class ModelRunner:
             batch.capture_layers, batch.captured = self.capture_layers, {}
             if self.replay_verify and any(c.verify for c in plan.chunks):
                 batch.kda_inputs = {}
+        if self.lora is not None:  # each row's adapter; the LoRA hooks group rows by adapter once per step
+            slot = {name: self.lora.slot_of(name) for name in {c.request.lora_name for c in plan.chunks} if name}
+            self.lora.set_rows([slot.get(c.request.lora_name) for c in plan.chunks for _ in range(c.num_tokens)])
         hidden = self.compiled(batch) if bucket else self.model(batch)
         for src, dst in copies:
             self.states.copy(src, dst)

@@ -64,6 +64,10 @@ class Request:
     # that sampled it, i.e. when the token at position len(prompt_ids) - 1 + k was the input.
     routed_experts: list[dict[int, list[int]]] | None = None
     spec: Any = None  # speculative decoding: the request's draft KV and acceptance lengths (kestrel.spec)
+    # LoRA adapter by name (None: the base). Its cache keys are the token ids shifted by `cache_key_offset`, so
+    # the prefix cache never hands one adapter's KV to another adapter or to the base.
+    lora_name: str | None = None
+    cache_key_offset: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +76,12 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The prefix cache's key of this request's tokens (its adapter's namespace)."""
+        ids = self.all_ids
+        return ids if not self.cache_key_offset else [t + self.cache_key_offset for t in ids]
 
     @property
     def is_finished(self) -> bool:

@@ -83,11 +83,13 @@ class Scheduler:
         max_running_requests: int,
         max_num_batched_tokens: int,
         chunked_prefill_size: int,
+        max_loras_per_batch: int | None = None,
     ) -> None:
         self.pages, self.slots, self.cache = pages, slots, cache
         self.max_running = max_running_requests
         self.budget = max_num_batched_tokens
         self.chunk_cap = math.inf if chunked_prefill_size == -1 else chunked_prefill_size
+        self.max_loras = max_loras_per_batch  # distinct LoRA adapters among the running requests (None: no limit)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.capacity_tokens = pages.num_pages * pages.page_size
@@ -120,7 +122,7 @@ class Scheduler:
         req.slot = req.tail_slot = None
 
     def _commit(self, req: Request, length: int, checkpoint: int | None = None) -> None:
-        got = self.cache.commit(req.all_ids, req.pages, length, req.cache_node, checkpoint)
+        got = self.cache.commit(req.cache_ids, req.pages, length, req.cache_node, checkpoint)
         req.pages, req.cache_node, req.cache_len = got.pages, got.node, got.length
 
     def _commit_full_pages(self, req: Request) -> None:
@@ -248,6 +250,10 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
+            if self.max_loras is not None and req.lora_name is not None:
+                adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+                if req.lora_name not in adapters and len(adapters) >= self.max_loras:
+                    break  # FCFS: wait until a running adapter's requests finish
             if self.cache.has_state:
                 req.slot = self.cache.alloc_slot()
                 if req.slot is None:
@@ -255,7 +261,8 @@ class Scheduler:
             # Prompt logprobs need every prompt row computed, so such requests skip the match (as in vLLM);
             # what they compute is still committed for the requests after them.
             if req.params.prompt_logprobs is None:
-                got = self.cache.acquire(req.all_ids, self.cache.match(req.all_ids), req.slot, len(req.prompt_ids))
+                ids = req.cache_ids
+                got = self.cache.acquire(ids, self.cache.match(ids), req.slot, len(req.prompt_ids))
                 if got is None:
                     self._unadmit(req)
                     break

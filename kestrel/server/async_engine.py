@@ -87,6 +87,7 @@ class _Add:
     deltas: bool
     routed_experts: bool
     arrival: float
+    lora: str | None = None
 
 
 @dataclass
@@ -115,6 +116,7 @@ class AsyncEngine:
         self.vocab_size = engine.model_config.vocab_size
         self.max_running_requests = engine.config.max_running_requests
         self.engine_config = engine.config
+        self.lora_adapters: dict[str, str] = dict(engine.lora_paths)  # loop thread's copy: name -> path
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._live: set[str] = set()  # loop thread only: ids submitted and not yet finished
@@ -193,6 +195,7 @@ class AsyncEngine:
         deltas: bool = True,
         routed_experts: bool = False,
         events: asyncio.Queue | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -204,7 +207,7 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic()))
+        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora))
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -228,6 +231,23 @@ class AsyncEngine:
             raise EngineStopped("the engine is not running")
         done = asyncio.get_running_loop().create_future()
         self._inbox.put(("flush_cache", done))
+        return await done
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load an adapter between two engine steps (ValueError naming the problem)."""
+        await self._call(lambda engine: engine.load_lora_adapter(name, path))
+        self.lora_adapters[name] = path
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._call(lambda engine: engine.unload_lora_adapter(name))
+        self.lora_adapters.pop(name, None)
+
+    async def _call(self, fn):
+        """Run fn(engine) on the engine thread between steps; its result or exception comes back here."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, done))
         return await done
 
     def _forget(self, events: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
@@ -257,6 +277,8 @@ class AsyncEngine:
                         self._abort_all(out, cmd[1], status=cmd[2])
                     elif cmd[0] == "flush_cache":
                         self._flush_cache(cmd[1])
+                    elif cmd[0] == "call":
+                        self._run_call(cmd[1], cmd[2])
                     else:
                         self._abort(cmd[1], out)
                 if engine.has_unfinished:
@@ -290,13 +312,28 @@ class AsyncEngine:
     def _add(self, cmd: _Add, out: list) -> None:
         rid = cmd.stream.request_id
         try:
-            self._engine.add_request(cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts)
+            self._engine.add_request(
+                cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts, lora_name=cmd.lora
+            )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))
             return
         reqs = self._engine.requests(rid)
         n = len(reqs)
         self._tracks[rid] = _Track(cmd, reqs, [0] * n, [0] * n, [cmd.arrival] * n, [False] * n)
+
+    def _run_call(self, fn, done: asyncio.Future) -> None:
+        try:
+            result, error = fn(self._engine), None
+        except Exception as exc:  # handed back to the caller; the engine keeps serving
+            result, error = None, exc
+
+        def settle() -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(settle)
 
     def _flush_cache(self, done: asyncio.Future) -> None:
         idle = not self._engine.has_unfinished and not self._tracks

@@ -210,7 +210,7 @@ def chat_logprobs(
 
 
 async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest, ctx: ServingContext):
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     plan = plan_chat(req, ctx)
     ids = await ctx.encode(plan.prompt, "messages")
     ctx.check_prompt_len(len(ids), "messages")
@@ -237,7 +237,7 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
     else:
         params.grammar = await ctx.compile_grammar(req.response_format)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(ctx, [rid], [ids], params, deltas=req.stream)
+    gen = Generation(ctx, [rid], [ids], params, deltas=req.stream, loras=[lora])
     try:
         if not req.stream:
             (output,) = await gen.outputs(client)

@@ -57,7 +57,7 @@ def completion_logprobs(
 
 
 async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: ServingContext):
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo: not supported", param="echo")
     if req.suffix:
@@ -70,7 +70,7 @@ async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: Se
     params.grammar = await ctx.compile_grammar(req.response_format)
     base = f"cmpl-{uuid.uuid4().hex}"
     rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-    gen = Generation(ctx, rids, prompts, params, deltas=req.stream)
+    gen = Generation(ctx, rids, prompts, params, deltas=req.stream, loras=[lora] * len(prompts))
     try:
         if not req.stream:
             outputs = await gen.outputs(client)

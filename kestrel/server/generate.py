@@ -57,6 +57,15 @@ def _request_ids(req: GenerateRequest, num: int, batch: bool) -> list[str]:
     return rids
 
 
+def _loras(req: GenerateRequest, ctx: ServingContext, num: int, batch: bool) -> list[str | None]:
+    """SGLang's `lora_path`: an adapter name for every prompt, or (a batch) one per prompt (null: the base)."""
+    if not isinstance(req.lora_path, list):
+        return [ctx.check_lora(req.lora_path)] * num
+    if not batch or len(req.lora_path) != num:
+        raise APIError(400, f"lora_path: a list needs one entry per prompt of a batch ({num})", param="lora_path")
+    return [ctx.check_lora(name) for name in req.lora_path]
+
+
 def _check_logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int | None:
     """`prompt_logprobs` for the engine, or None when no input-token logprobs were asked for."""
     start = req.logprob_start_len
@@ -154,7 +163,8 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
     seqs = {(p, i): _Seq(rid, ids) for p, (rid, ids) in enumerate(zip(rids, prompts)) for i in range(n)}
     # Deltas carry the routed experts (the final output does not), so collect them as they come.
     want = req.return_routed_experts
-    gen = Generation(ctx, rids, prompts, params, deltas=req.stream or want, routed_experts=want)
+    loras = _loras(req, ctx, len(prompts), batch)
+    gen = Generation(ctx, rids, prompts, params, deltas=req.stream or want, routed_experts=want, loras=loras)
     if req.stream:
         return SSEResponse(_stream(req, gen, seqs, n, many=len(seqs) > 1), gen)
     try:

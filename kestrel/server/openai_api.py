@@ -133,7 +133,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
             "owned_by": "kestrel",
             "max_model_len": engine.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [  # SGLang's cards of LoRA adapters: root is the folder, parent the base model
+            card | {"id": name, "root": path, "parent": model_name} for name, path in engine.lora_adapters.items()
+        ]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:

@@ -291,8 +291,18 @@ class GenerateRequest(_Body):
     top_logprobs_num: Int = 0
     logprob_start_len: Int = -1  # -1: no input-token logprobs
     return_routed_experts: Bool = False  # opt-in: a rollout that does not replay them should not pay for them
+    lora_path: Str | list[Str | None] | None = None  # a loaded adapter's name (SGLang's field), per prompt in a batch
     rid: Rid | list[Rid] | None = None
     stream: Bool = False
+
+
+class LoadLoRARequest(_Body):
+    lora_name: Annotated[str, Strict(), Field(min_length=1, max_length=256)]
+    lora_path: Str
+
+
+class UnloadLoRARequest(_Body):
+    lora_name: Str
 
 
 class AbortRequest(_Body):

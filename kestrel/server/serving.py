@@ -33,9 +33,19 @@ class ServingContext:
     reasoning_parser: str | None = "kimi"  # None: reasoning stays in `content`
     tool_call_parser: str | None = "kimi_k2"  # None: tool calls stay in `content`
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name that is neither."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.engine.lora_adapters:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_lora(self, name: str | None, param: str = "lora_path") -> str | None:
+        if name is not None and name not in self.engine.lora_adapters:
+            loaded = ", ".join(sorted(self.engine.lora_adapters)) or "none"
+            raise APIError(400, f"{param}: adapter {name!r} is not loaded (loaded: {loaded})", param=param)
+        return name
 
     def check_prompt_len(self, num_tokens: int, param: str) -> None:
         if num_tokens == 0:
@@ -143,6 +153,7 @@ class Generation:
         params: SamplingParams,
         deltas: bool,
         routed_experts: bool = False,
+        loras: list[str | None] | None = None,
     ) -> None:
         self.engine = ctx.engine
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -150,8 +161,11 @@ class Generation:
         self.pending: set[str] = set()
         try:
             self.engine.admit(len(prompts), params.n)
-            for rid, ids in zip(request_ids, prompts):
-                self.engine.submit(ids, params, rid, deltas=deltas, routed_experts=routed_experts, events=self.queue)
+            for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
+                lora = loras[i] if loras else None
+                self.engine.submit(
+                    ids, params, rid, deltas=deltas, routed_experts=routed_experts, events=self.queue, lora=lora
+                )
                 self.pending.add(rid)
         except QueueFull as exc:
             self.close()

@@ -20,6 +20,7 @@ from kestrel.models.builtin import builtin_model_path
 from kestrel.server.args import ServerConfig
 from kestrel.server.async_engine import EngineStopped
 from kestrel.server.errors import APIError
+from kestrel.server.protocol import LoadLoRARequest, UnloadLoRARequest
 from kestrel.server.serving import Generation, ServingContext
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default: a 1-token generation slower than this means a stuck engine
@@ -81,6 +82,19 @@ async def flush_cache(ctx: ServingContext) -> Response:
     return PlainTextResponse("Cache flushed.\n")
 
 
+async def change_lora(ctx: ServingContext, change) -> Response:
+    """Await a load or unload on the engine thread; SGLang's answer, or a 400 naming the problem."""
+    try:
+        await change
+    except EngineStopped as exc:
+        raise APIError(503, str(exc)) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="lora_path") from None
+    except Exception as exc:
+        raise APIError(500, f"adapter change failed: {exc}") from None
+    return JSONResponse({"success": True, "error_message": "", "loaded_adapters": dict(ctx.engine.lora_adapters)})
+
+
 async def health_generate(ctx: ServingContext, client: HTTPRequest) -> Response:
     """200 once a 1-token generation has gone through the engine; 503 if it cannot or takes too long."""
     if not ctx.engine.alive:
@@ -113,6 +127,14 @@ def add_sglang_routes(app: FastAPI, ctx: ServingContext, config: ServerConfig) -
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush() -> Response:
         return await flush_cache(ctx)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora(body: LoadLoRARequest) -> Response:
+        return await change_lora(ctx, ctx.engine.load_lora_adapter(body.lora_name, body.lora_path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora(body: UnloadLoRARequest) -> Response:
+        return await change_lora(ctx, ctx.engine.unload_lora_adapter(body.lora_name))
 
     @app.get("/health_generate")
     async def health_gen(request: HTTPRequest) -> Response:

@@ -25,6 +25,7 @@ class FusedLinear(nn.Linear):
         super().__init__(in_features, sum(parts.values()), bias=bool(biased))
         self.parts = dict(parts)
         self.sizes = list(parts.values())
+        self.lora = None  # a LoRA term on some parts (kestrel.models.lora), added to the base output, never merged
         set_loader(self.weight, sized_parts_loader(self.parts), set(parts))
         if self.bias is not None:
             with torch.no_grad():
@@ -33,13 +34,15 @@ class FusedLinear(nn.Linear):
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """All parts side by side [..., sum of sizes] (callers that split differently)."""
-        return super().forward(x)
+        out = super().forward(x)
+        return out if self.lora is None else self.lora(x, out)
 
     def part(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """One part alone (e.g. on a detached input, where only that part's gradient path must change)."""
         lo = sum(self.sizes[: list(self.parts).index(name)])
         bias = self.bias[lo : lo + self.parts[name]] if self.bias is not None else None
-        return F.linear(x, self.weight[lo : lo + self.parts[name]], bias)
+        out = F.linear(x, self.weight[lo : lo + self.parts[name]], bias)
+        return out if self.lora is None else self.lora(x, out, slice(lo, lo + self.parts[name]))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return self.fused(x).split(self.sizes, dim=-1)

@@ -105,8 +105,11 @@ class Experts(nn.Module):
         set_loader(self.gate_up_proj, expert_loader(halves=True), {(e, h) for e in range(n) for h in (0, 1)})
         set_loader(self.down_proj, expert_loader(halves=False), {(e, None) for e in range(n)})
         self.act = GatedActivation(cfg)
+        self.lora = None  # per-expert LoRA terms (kestrel.models.lora), added to each pair's outputs, never merged
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.active():
+            return self.lora.forward(x, ids, weights)
         if torch.compiler.is_compiling() and ids.numel() <= GATHERED_MAX_PAIRS:
             return self._gathered(x, ids, weights)
         act = self.act
