@@ -175,11 +175,11 @@ class ModelRunner:
         # keep their KDA inputs for a replay (ReplaySSM) instead of snapshotting states.
         self.capture_layers: tuple[int, ...] = ()
         self.replay_verify = False
+        self.lora: LoRAManager | None = None  # set by the engine when it serves adapters
 
     def kv_rows_per_page(self, page_size: int) -> int:
         """KV pool rows per page (a decode-context-parallel rank keeps only its share of each page's tokens)."""
         return page_size
-        self.lora: LoRAManager | None = None  # set by the engine when it serves adapters
 
     def prepare(self, plan: SchedulePlan, pad_to: int = 0) -> tuple[ForwardBatch, torch.Tensor, list[tuple[int, int]]]:
         """One ForwardBatch for the plan, the rows whose logits are sampled, and the state-slot copies to make
