@@ -339,6 +339,9 @@ class AsyncEngine:
         idle = not self._engine.has_unfinished and not self._tracks
         if idle:
             self._engine.cache.clear()
+            stats = self._engine.stats()  # before answering: a /get_server_info right after must see the flush
+            with self._lock:
+                self._stats = stats
         if self._loop is not None:
             self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(idle))
 
