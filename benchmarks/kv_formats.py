@@ -22,45 +22,20 @@ import time
 from pathlib import Path
 
 import torch
+from decode_long_context import make_config  # the same DSA stack at K3.1 widths
 from report import write_result
 
 from kestrel.cache.kv_pool import make_kv_storage
-from kestrel.config import model_config_from_dict
 from kestrel.engine.model_runner import PagedCacheView, latent_bounds
 from kestrel.models.checkpoint import init_random_
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.loader import build_model
-from kestrel.models.presets import preset_config
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_formats.json"
 PAGE_SIZE = 64
 FILL_CHUNK = 4096
-
-
-def make_config(args: argparse.Namespace):
-    raw = preset_config("deepseek_v32", "small") | {
-        "vocab_size": 1024,
-        "hidden_size": args.hidden,
-        "intermediate_size": 2 * args.hidden,
-        "moe_intermediate_size": args.hidden // 2,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.heads,
-        "q_lora_rank": args.hidden,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "index_n_heads": args.index_heads,
-        "index_head_dim": 128,
-        "index_topk": args.topk,
-        "max_position_embeddings": 2 * max(args.contexts) + 2,
-    }
-    return model_config_from_dict(raw)
 
 
 class Setup:
