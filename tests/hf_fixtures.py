@@ -74,39 +74,10 @@ HF_DEEPSEEK_V32 = dict(
 )
 
 # DeepSeek-V3 with q_lora and grouped `noaux_tc` routing (4 groups, 2 kept), YaRN with mscale != mscale_all_dim.
-HF_DEEPSEEK_V3 = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=16,
+HF_DEEPSEEK_V3 = {k: v for k, v in HF_DEEPSEEK_V32.items() if not k.startswith("index_")} | dict(
     v_head_dim=24,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    n_group=4,
-    topk_group=2,
-    first_k_dense_replace=1,
     routed_scaling_factor=2.5,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "mscale": 1.0,
-        "mscale_all_dim": 0.8,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
+    rope_parameters=HF_DEEPSEEK_V32["rope_parameters"] | {"mscale_all_dim": 0.8},
 )
 # Without q_lora (DeepSeek-V2-Lite style q_proj), ungrouped, default RoPE, two dense layers first.
 HF_DEEPSEEK_V3_NO_Q_LORA = HF_DEEPSEEK_V3 | dict(
