@@ -80,6 +80,39 @@ def hf_generate(model, prompts, new_tokens: int, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
+def hf_step_itl(model, prompt, new_tokens: int, repeats: int) -> float:
+    """Median seconds between consecutive tokens of batch-1 `generate`, timed per step.
+
+    A stopping criterion is called once per generated token, after that step's forward, logits processing and
+    sampling, so the gaps between its calls are the inter-token latencies a `generate` user sees.
+    """
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StepClock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    gaps = []
+    for _ in range(repeats):
+        clock = StepClock()
+        with torch.no_grad():
+            model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=new_tokens + 1,
+                min_new_tokens=new_tokens + 1,
+                do_sample=False,
+                pad_token_id=0,
+                stopping_criteria=StoppingCriteriaList([clock]),
+            )
+        gaps += [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    return statistics.median(gaps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
@@ -89,7 +122,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,32")
     ap.add_argument("--itl-tokens", type=int, default=32)
-    ap.add_argument("--itl-repeats", type=int, default=5, help="transformers ITL: runs of each length (medians)")
+    ap.add_argument("--itl-repeats", type=int, default=3, help="transformers ITL: generate runs (median step gap)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled (--compile) batch-1 ITL")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: make-model kimi_linear small)")
     ap.add_argument("--out", default="benchmarks/results/offline_throughput.json")
@@ -118,13 +151,7 @@ def main() -> None:
         hf_results[bs] = len(prompts) * args.new_tokens / seconds
         print(f"  transformers batch {bs}: {hf_results[bs]:.1f} tok/s")
     best_bs = max(hf_results, key=hf_results.get)
-    # generate() has no per-step hook: time 1 and 1 + N new tokens, interleaved, and take the medians' difference.
-    ones, manys = [], []
-    for _ in range(args.itl_repeats):
-        ones.append(hf_generate(hf, prompts[:1], 1, 1))
-        manys.append(hf_generate(hf, prompts[:1], args.itl_tokens + 1, 1))
-    hf_itl = (statistics.median(manys) - statistics.median(ones)) / args.itl_tokens
-
+    hf_itl = hf_step_itl(hf, prompts[0], args.itl_tokens, args.itl_repeats)
     result = {
         "threads": torch.get_num_threads(),
         "num_prompts": len(prompts),

@@ -158,17 +158,23 @@ class MLAAttention(nn.Module):
         return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
 
     def _attend_latent_padded(self, q_nope, q_rope, latent, rope_key, allowed) -> torch.Tensor:
-        """Absorbed attention of one query per sequence over its own keys: latents [B, L, r], allowed [B, L]."""
+        """Absorbed attention of one query per sequence over its own keys: latents [B, L, r], allowed [B, L].
+
+        Written as bmm over (head | sequence) batches, not einsum: einsum's permute-and-copy of the strided W_UK /
+        W_UV views cost as much as the products at decode sizes (the same products, in the same order).
+        """
         out_dtype, ct = q_nope.dtype, compiled_cpu_product_dtype(q_nope)
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank).to(ct)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_nope, latent = q_nope.to(ct), latent.to(ct)
-        scores = torch.einsum("bhr,blr->bhl", torch.einsum("bhd,hdr->bhr", q_nope, w_uk), latent)
+        q_latent = torch.bmm(q_nope.to(ct).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+        latent = latent.to(ct)
+        scores = torch.bmm(q_latent, latent.transpose(1, 2))  # [B, H, L]
         if self.rope_dim:
-            scores = scores + torch.einsum("bhd,bld->bhl", q_rope.to(ct), rope_key.to(ct))
+            scores = scores + torch.bmm(q_rope.to(ct), rope_key.to(ct).transpose(1, 2))
         scores = (scores * self.scale).masked_fill(~allowed[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(ct)
-        return torch.einsum("bhr,hvr->bhv", torch.einsum("bhl,blr->bhr", probs, latent), w_uv).to(out_dtype)
+        out_latent = torch.bmm(probs, latent)  # [B, H, r]
+        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).to(out_dtype)
 
     # -- the two attention forms ------------------------------------------------------------------------
     def attend_naive(
