@@ -206,3 +206,27 @@ def test_dcp_flags_parse_and_validate():
         EngineConfig(tp=4, dcp=4, dcp_interleave=2, page_size=4)  # a page must split evenly over the ranks
     with pytest.raises(ConfigError, match="dp_attn"):
         ParallelLayout(tp=4, dp_attn=2, dcp=2).validate()
+
+
+def test_single_rank_dsa_selection_breaks_ties_to_the_lower_position():
+    """Prefill (topk_mask) and decode (topk_positions) pick the same set as the DCP order on exact ties: ReLU makes
+    exact-zero index scores common, and torch.topk alone breaks ties arbitrarily."""
+    from kestrel.models.layers.dsa import topk_mask
+    from kestrel.models.layers.topk_order import topk_positions
+
+    scores = torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]])
+    causal = torch.ones_like(scores, dtype=torch.bool)
+    assert topk_mask(scores, causal, 4).nonzero()[:, 1].tolist() == [0, 1, 2, 4]
+    pos, sel = topk_positions(scores, causal, 4)
+    assert pos.tolist() == [[4, 1, 0, 2]] and sel.all()
+    short = torch.tensor([[True, True, False, False, False, False, False, False]])
+    pos, sel = topk_positions(scores, short, 4)
+    assert pos[sel].tolist() == [1, 0] and sel.tolist() == [[True, True, False, False]]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        s = torch.randint(0, 3, (3, 40), generator=gen).float()  # heavy ties
+        lengths = torch.randint(1, 41, (3,), generator=gen)
+        allowed = torch.arange(40)[None, :] < lengths[:, None]
+        pos, sel = topk_positions(s, allowed, 8)
+        ref_p = dcp.reference_topk(s, lengths, 8)[1]
+        assert torch.equal(pos.masked_fill(~sel, -1), ref_p)

@@ -1,10 +1,9 @@
 """Decode context parallelism (DCP): the exact DSA top-k over token-sharded index keys, and the log-sum-exp merge
 of partial attention outputs.
 
-Token p of a history lives on DCP rank (p // interleave) % N. Selection order is total: higher score first, then
-lower position, so "the top-k" is one set and every path (single rank, merged, fallback) yields the same one.
-A (score, position) pair travels as one int64 key whose integer order is that selection order: the float's bits
-mapped to an order-preserving int32 in the high half, (2^32 - 1 - position) in the low half.
+Token p of a history lives on DCP rank (p // interleave) % N. Selection order is total (kestrel.models.layers.
+topk_order: higher score first, then lower position), so "the top-k" is one set and every path (single rank, merged,
+fallback) yields the same one; a (score, position) pair travels as one int64 key in that order.
 """
 
 from __future__ import annotations
@@ -16,9 +15,10 @@ import torch
 
 from kestrel.dist import comm
 from kestrel.dist.groups import Group
+from kestrel.models.layers.topk_order import INVALID, exact_topk, pack_keys, top_keys, unpack_keys
 
-INVALID = torch.iinfo(torch.int64).min  # key of "no candidate": below every real (score, position)
-_LOW = 0xFFFFFFFF
+__all__ = ["INVALID", "exact_topk", "pack_keys", "top_keys", "unpack_keys"]  # the selection order, re-exported
+
 # Running totals of this process's DCP work (merges, fallback_pairs, candidate_bytes, fallback_bytes,
 # decode_layers): how often the exact merge had to read a rank's full top-k, and what it all moved.
 TOTALS: Counter[str] = Counter()
@@ -36,40 +36,6 @@ def shard_count(lengths: torch.Tensor, rank: int, world: int, interleave: int = 
     block = interleave * world
     full, rest = lengths // block, lengths % block
     return full * interleave + (rest - rank * interleave).clamp(0, interleave)
-
-
-# -- (score, position) keys ------------------------------------------------------------------------------
-def pack_keys(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered as (score desc, position asc) would be; INVALID where not `valid`."""
-    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, so the two tie as floats do
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits → signed-int order
-    keys = (ordered.to(torch.int64) << 32) | (_LOW - positions.to(torch.int64))
-    return keys.masked_fill(~valid, INVALID)
-
-
-def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores fp32, positions int64) of keys; INVALID → (-inf, -1)."""
-    invalid = keys == INVALID
-    ordered = (keys >> 32).to(torch.int32)
-    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-    scores = bits.view(torch.float32).masked_fill(invalid, float("-inf"))
-    positions = (_LOW - (keys & _LOW)).masked_fill(invalid, -1)
-    return scores, positions
-
-
-def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest keys of each row [B, M] → [B, k], descending, INVALID-padded when M < k."""
-    got = keys.topk(min(k, keys.shape[-1]), dim=-1).values
-    if got.shape[-1] < k:
-        got = torch.cat([got, got.new_full((*got.shape[:-1], k - got.shape[-1]), INVALID)], dim=-1)
-    return got
-
-
-def exact_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Single-rank top-k of rows [B, L] over positions < length: (scores, positions) [B, k], -1 padded."""
-    pos = torch.arange(scores.shape[-1], device=scores.device)
-    valid = pos[None, :] < lengths[:, None]
-    return unpack_keys(top_keys(pack_keys(scores, pos.expand_as(scores), valid), k))
 
 
 def reference_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.layers.rope import apply_rope_half
+from kestrel.models.layers.topk_order import topk_positions
 
 
 class Indexer(nn.Module):
@@ -65,8 +66,8 @@ def causal_mask(prefix_len: int, n: int, length: int, device) -> torch.Tensor:
 
 
 def topk_mask(scores: torch.Tensor, causal: torch.Tensor, topk: int) -> torch.Tensor:
-    """Allowed [n, L]: the top-k causal positions per query (all of them if fewer)."""
+    """Allowed [n, L]: the top-k causal positions per query (all of them if fewer), ties to the lower position."""
     if scores.shape[-1] <= topk:
         return causal
-    idx = scores.masked_fill(~causal, float("-inf")).topk(topk, dim=-1).indices
+    idx, _ = topk_positions(scores, causal, topk)  # a row short of k pads with position 0: all its causal ones win
     return torch.zeros_like(causal).scatter_(-1, idx, True) & causal

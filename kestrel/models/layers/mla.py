@@ -18,6 +18,7 @@ from kestrel.models.layers.dsa import Indexer, causal_mask, topk_mask
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
+from kestrel.models.layers.topk_order import topk_positions
 
 # Chunks of at most this many new tokens use the absorbed (latent-space) form.
 ABSORB_MAX_TOKENS = 4
@@ -152,9 +153,8 @@ class MLAAttention(nn.Module):
             for b, n in enumerate(lengths.tolist()):
                 self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
         k = torch.sym_min(self.indexer.topk, keys.shape[1])
-        idx = scores.topk(k, dim=-1, sorted=False).indices  # [D, k]
-        selected = allowed.gather(1, idx)  # False only on padding picked for histories shorter than k
-        latent, rope_key = cache.decode_kv_at(self.layer_id, idx.masked_fill(~selected, 0))
+        idx, selected = topk_positions(scores, allowed, k)  # [D, k]; not selected: padding of histories shorter than k
+        latent, rope_key = cache.decode_kv_at(self.layer_id, idx)
         return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
 
     def _attend_latent_padded(self, q_nope, q_rope, latent, rope_key, allowed) -> torch.Tensor:
