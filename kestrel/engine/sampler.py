@@ -110,10 +110,13 @@ class Sampler:
         _apply_penalties(x, rows)
         apply_grammar_masks(x, [r.matcher for r in rows])
 
-        token_ids = torch.empty(batch, dtype=torch.long, device=x.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if greedy:
+        if not rand:  # all greedy (the common decode batch): no row gather and scatter
+            token_ids = x.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(batch, dtype=torch.long, device=x.device)
+        if greedy and rand:
             token_ids[greedy] = x[greedy].argmax(dim=-1)
         if rand:
             token_ids[rand] = self._sample_random(x[rand], [rows[i] for i in rand])

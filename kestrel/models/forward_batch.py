@@ -44,6 +44,9 @@ class ModelCache(Protocol):
     def store_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         """Save the states after the batch's last token of each sequence."""
 
+    def decode_state_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The states of an all-decode batch as writable views (updated in place instead of load + store), or None."""
+
     def store_state_snapshots(
         self,
         layer: int,

@@ -67,6 +67,9 @@ class SimpleCache:
         n = self.batch.num_seqs
         return conv[:n], rec[:n]
 
+    def decode_state_views(self, layer: int) -> None:
+        return None  # the oracle path keeps load + store
+
     def store_state(self, layer: int, conv_state, recurrent_state) -> None:
         conv, rec = self.states[layer]
         n = self.batch.num_seqs

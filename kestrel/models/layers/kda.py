@@ -84,6 +84,9 @@ class KDAAttention(nn.Module):
         if batch.kda_inputs is not None:
             batch.kda_inputs[self.layer_id] = (mixed, g, beta)
         cache, nd, n = batch.cache, batch.num_decode, batch.num_seqs
+        views = cache.decode_state_views(self.layer_id) if cache is not None and not torch.is_grad_enabled() else None
+        if views is not None:  # every row decodes, its states updated where they live in the pool
+            return self._output(self.decode_in_place(mixed, g, beta, *views), gate, x.dtype)
         if cache is not None:
             conv_state, rec_state = cache.load_state(self.layer_id)
         else:
@@ -108,13 +111,21 @@ class KDAAttention(nn.Module):
             cache.store_state(self.layer_id, conv_state, rec_state)
         return self._output(o, gate, x.dtype)
 
-    def decode(self, mixed, g, beta, conv_state, rec_state):
+    def decode(self, mixed, g, beta, conv_state, rec_state, in_place: bool = False):
         """One new token for each of B sequences, all at once: conv window, then one recurrent step."""
-        window = torch.cat([conv_state, mixed.to(conv_state.dtype)[:, :, None]], dim=-1)  # [B, 3C, kernel]
-        conv_out = F.silu((window * self.conv1d.weight.squeeze(1)[None]).sum(-1))
+        if mixed.dtype != conv_state.dtype:
+            mixed = mixed.to(conv_state.dtype)
+        window = torch.cat([conv_state, mixed[:, :, None]], dim=-1)  # [B, 3C, kernel]
+        conv_out = F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))
         q, k, v = self._qkv(conv_out)
-        o, rec_state = kda_step(q, k, v, g, beta, rec_state)
+        o, rec_state = kda_step(q, k, v, g, beta, rec_state, in_place)
         return o, window[:, :, 1:], rec_state
+
+    def decode_in_place(self, mixed, g, beta, conv_state, rec_state) -> torch.Tensor:
+        """`decode` writing the new states into the given pool views (same arithmetic, bit for bit)."""
+        o, window, _ = self.decode(mixed, g, beta, conv_state, rec_state, in_place=True)
+        conv_state.copy_(window)
+        return o
 
     def prefill_packed(self, mixed, g, beta, packed: PackedPrefill, conv_state, rec_state, cache):
         """Every prefill sequence at once in the varlen layouts (no padding to the longest sequence for the chunked

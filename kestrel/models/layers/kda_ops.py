@@ -39,8 +39,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     normalises after the fp32 cast; fp64 stays fp64) and returned in x's dtype, so fp32 inputs are bit-identical to
     transformers.
     """
-    xf = x.to(_compute_dtype(x))
-    return (xf / torch.sqrt((xf * xf).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    out = xf / torch.sqrt((xf * xf).sum(dim=-1, keepdim=True) + eps)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _initial_state(state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,19 +81,27 @@ def kda_recurrent(
 
 
 def kda_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of `kda_recurrent` for a batch of sequences (the decode form), reading the state once.
 
     With e = exp(g): the decayed state's recall is (k⊙e)ᵀS, and the output of the updated state is
     (q⊙e)ᵀS + (q·k)·delta, so one batched matmul against the old S serves both and S is written once.
-    q, k, g: [B, H, K] fp32; v: [B, H, V]; beta: [B, H]; state: [B, H, K, V] fp32. Returns (o [B, H, V], state).
+    q, k, g: [B, H, K] fp32; v: [B, H, V]; beta: [B, H]; state: [B, H, K, V] fp32. Returns (o [B, H, V], state);
+    `in_place` updates the given state tensor (the same values: each element is decayed, then written, either way).
     """
     decay = g.exp()
     read = torch.matmul(torch.stack([k * decay, q * decay], dim=-2), state)  # [B, H, 2, V]
-    delta = (v.to(state.dtype) - read[..., 0, :]) * beta.unsqueeze(-1)
+    delta = ((v if v.dtype == state.dtype else v.to(state.dtype)) - read[..., 0, :]) * beta.unsqueeze(-1)
     o = torch.addcmul(read[..., 1, :], (q * k).sum(-1, keepdim=True), delta)
-    state = (state * decay.unsqueeze(-1)).addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))  # decay, + k deltaᵀ
+    decayed = state.mul_(decay.unsqueeze(-1)) if in_place else state * decay.unsqueeze(-1)
+    state = decayed.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))  # decay, + k deltaᵀ
     return o, state
 
 

@@ -198,11 +198,12 @@ def expert_pairs(
     """`expert_segments` for one token, one expert at a time: the grouped GEMM would also visit every idle expert and
     the sort/scatter bookkeeping costs more than the token's GEMMs. Bit-identical to `expert_segments` for one token:
     each expert sees the same one-row GEMM, and the terms are added in the same order (by expert id, from zero)."""
-    out = torch.zeros_like(x)
+    out, columns = torch.zeros_like(x), weights.unbind(1)  # one view op for all k weight columns
     for e, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
         gate, up = F.linear(x, gate_up_proj[e]).chunk(2, dim=-1)
         h = situ(gate, up, beta, linear_beta or None) if act == "situ" else F.silu(gate) * up
-        out.add_((F.linear(h, down_proj[e]) * weights[:, j : j + 1]).to(x.dtype))
+        y = F.linear(h, down_proj[e]) * columns[j]
+        out.add_(y if y.dtype == x.dtype else y.to(x.dtype))
     return out
 
 
