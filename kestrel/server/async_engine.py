@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kestrel.disagg.role import BootstrapTarget
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.engine.grammar import GrammarBackend
 from kestrel.engine.request import Request
@@ -88,6 +89,7 @@ class _Add:
     routed_experts: bool
     arrival: float
     lora: str | None = None
+    bootstrap: BootstrapTarget | None = None
 
 
 @dataclass
@@ -152,7 +154,10 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        if self._engine.disagg is not None:  # rooms change on the bootstrap server's threads too, engine idle or not
+            stats |= self._engine.disagg.stats()
+        return stats
 
     def num_queued(self) -> int:
         """Sequences waiting for admission, counting submissions the engine has not seen yet."""
@@ -196,6 +201,7 @@ class AsyncEngine:
         routed_experts: bool = False,
         events: asyncio.Queue | None = None,
         lora: str | None = None,
+        bootstrap: BootstrapTarget | None = None,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -207,7 +213,7 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora))
+        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, bootstrap))
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -284,6 +290,8 @@ class AsyncEngine:
                 if engine.has_unfinished:
                     result = engine.step()
                     self._collect(result.advanced, result.finished, out)
+                    for record in result.transfers:
+                        self.metrics.observe_transfer(record)
             except Exception:  # a bug in a step must not hang every client: fail them, keep serving
                 log.exception("engine step failed; aborting all requests")
                 self._abort_all(out, "internal engine error", status=500)
@@ -313,7 +321,12 @@ class AsyncEngine:
         rid = cmd.stream.request_id
         try:
             self._engine.add_request(
-                cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts, lora_name=cmd.lora
+                cmd.prompt_ids,
+                cmd.params,
+                rid,
+                return_routed_experts=cmd.routed_experts,
+                lora_name=cmd.lora,
+                bootstrap=cmd.bootstrap,
             )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))

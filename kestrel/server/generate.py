@@ -164,7 +164,10 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
     # Deltas carry the routed experts (the final output does not), so collect them as they come.
     want = req.return_routed_experts
     loras = _loras(req, ctx, len(prompts), batch)
-    gen = Generation(ctx, rids, prompts, params, deltas=req.stream or want, routed_experts=want, loras=loras)
+    boots = ctx.bootstrap_targets(req, len(prompts))
+    gen = Generation(
+        ctx, rids, prompts, params, deltas=req.stream or want, routed_experts=want, loras=loras, bootstraps=boots
+    )
     if req.stream:
         return SSEResponse(_stream(req, gen, seqs, n, many=len(seqs) > 1), gen)
     try:
