@@ -16,8 +16,6 @@ from kestrel.engine.config import EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.sampling_params import SamplingParams
 
-pytest.importorskip("mooncake.engine", reason="Mooncake not installed: pip install -e '.[pd]'")
-
 BASE = dict(dtype="float32", device="cpu", max_total_tokens=2048, max_model_len=512, max_running_requests=4)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 PROMPT = [(7 * i + 3) % 900 + 20 for i in range(70)]  # 70 tokens: 4 full pages and a partial one

@@ -17,8 +17,6 @@ import pytest
 from process_harness import free_port, kestrel_serve, router_cmd, spawn, start, stop, wait_healthy
 from server_harness import running_server
 
-pytest.importorskip("sglang_router", reason="sglang-router not installed: pip install -e '.[router]'")
-pytest.importorskip("mooncake.engine", reason="Mooncake not installed: pip install -e '.[pd]'")
 pytestmark = pytest.mark.timeout(300)
 
 FLAGS = ("--device", "cpu", "--max-total-tokens", "4096", "--max-model-len", "1024", "--max-running-requests", "8")

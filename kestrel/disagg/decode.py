@@ -145,6 +145,7 @@ class DecodeRole:
 
     def close(self) -> None:
         """Give every transfer up (the prefill sides are told), then stop the receiver thread."""
+        self.pending.clear()
         with self._lock:
             for t in self.transfers.values():
                 t.cancel = t.cancel or "the server is shutting down"

@@ -58,18 +58,18 @@ class PrefillRoom:
     state: TransferState = TransferState.BOOTSTRAPPING
     error: str = ""
     notify: bool = False  # the decode side should hear about the failure
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held while anything is written to the decode side for this room (reentrant: a failed send notifies inside it).
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 class PrefillRole:
     def __init__(self, config, scheduler, runner, spec) -> None:
-        self.scheduler, self.spec = scheduler, spec
+        self.scheduler = scheduler  # `spec`: the draft context travels with req.spec, nothing to keep here
         self.timeout = config.disaggregation_transfer_timeout
         self.page_size = runner.page_size
         host = advertised_host(config.disaggregation_bootstrap_host or "127.0.0.1")
         self.backend = make_backend(config.disaggregation_transfer_backend, host, config.disaggregation_ib_device)
         self.layout = PoolLayout.of(runner.kv, runner.states, runner.page_size)
-        self.runner = runner
         # Two staging rows for the aux writes (payload, then room + status); the sender uses them one write at a time.
         self.staging = torch.zeros(2, AuxRow.WORDS, dtype=torch.int64)
         self.backend.register(runner.kv.tensors() + state_tensors(runner.states) + [self.staging])
@@ -333,6 +333,7 @@ class PrefillRole:
             if room.req is not None:
                 self._check_dest(room)
                 if room.error:
+                    room.notify = False  # the decode side reads this answer and frees the room's memory at once
                     return 400, {"error": room.error}
             self._maybe_send(room)
         return 200, {}
@@ -348,6 +349,7 @@ class PrefillRole:
         return ""
 
     def _on_abort(self, body: dict) -> tuple[int, dict]:
+        """The decode side gives a room up; the answer means nothing more will be written for it."""
         msg = AbortMsg.model_validate(body)
         with self._lock:
             room = self.rooms.get(msg.room)
@@ -358,11 +360,10 @@ class PrefillRole:
                 return 409, {"error": f"room {msg.room} belongs to another decode instance"}
             if room.req is None:  # only the destination was here: nothing of the engine's to release
                 del self.rooms[msg.room]
-                return 200, {"dropped": True}
-            self._fail(room, "the decode worker gave the request up")
+            else:
+                self._fail(room, "the decode worker gave the request up")
             room.notify = False
-            lock = room.lock
-        with lock:  # a write under way ends before the decode side frees the pages it writes to
+        with room.lock:  # a write under way ends before the decode side frees the memory it writes to
             pass
         return 200, {"dropped": True}
 
@@ -457,6 +458,13 @@ class PrefillRole:
         """Best effort: the decode side reads FAILED and the reason instead of waiting for its timeout."""
         if room.dest is None or room.instance is None or not self.backend.moves_data:
             return
+        with room.lock:  # an abort from the decode side waits for this write, or this write sees the abort
+            with self._lock:
+                if not room.notify:
+                    return
+            self._write_failure(room)
+
+    def _write_failure(self, room: PrefillRoom) -> None:
         try:
             payload = AuxRow(room.first or FirstToken(), room.error).payload()
             dst = room.instance.aux.row(room.dest.aux_index) + AuxRow.HEAD * 8
