@@ -78,27 +78,23 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def unified():
-    engine = Engine(EngineConfig(**BASE, speculative_algorithm="dflash"))
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module", params=["auto", "fp8_e4m3"])
-def pair(request):
-    prefill, decode = _pair(kv_cache_dtype=request.param, speculative_algorithm="dflash")
-    yield prefill, decode
-    decode.close()
-    prefill.close()
+@pytest.fixture(scope="module", params=["auto", "fp8_e4m3", "nvfp4"])
+def trio(request):
+    """Prefill and decode workers and a unified engine, all with this KV format and DFlash on."""
+    kwargs = dict(kv_cache_dtype=request.param, speculative_algorithm="dflash")
+    prefill, decode = _pair(**kwargs)
+    unified = Engine(EngineConfig(**BASE, **kwargs))
+    yield prefill, decode, unified
+    for engine in (decode, prefill, unified):
+        engine.close()
 
 
 def _rows(t: torch.Tensor, page: int, ps: int) -> torch.Tensor:
     return t[page * ps : (page + 1) * ps].contiguous().view(torch.uint8)
 
 
-def test_transferred_pages_state_and_draft_context_equal_the_prefill_pools_bit_for_bit(pair):
-    prefill, decode = pair
+def test_transferred_pages_state_and_draft_context_equal_the_prefill_pools_bit_for_bit(trio):
+    prefill, decode, _ = trio
     target = _target(prefill)
     decode.add_request(PROMPT, GREEDY, "d", bootstrap=target)
     prefill.add_request(PROMPT, GREEDY, "p", bootstrap=target)
@@ -130,8 +126,8 @@ def test_transferred_pages_state_and_draft_context_equal_the_prefill_pools_bit_f
     _assert_idle(prefill, decode)
 
 
-def test_outputs_equal_a_unified_engine_and_a_later_turn_moves_only_its_new_pages(pair, unified):
-    prefill, decode = pair
+def test_outputs_equal_a_unified_engine_and_a_later_turn_moves_only_its_new_pages(trio):
+    prefill, decode, unified = trio
     ps = prefill.config.page_size
     prompt = PROMPT[::-1]
     for turn in range(2):

@@ -64,13 +64,14 @@ class MooncakeBackend:
     def __init__(self, host: str, ib_device: str | None = None) -> None:
         os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every connection at INFO through glog
         try:
-            from mooncake.engine import TransferEngine
+            from mooncake import engine as mooncake_engine
         except ImportError as exc:
             raise RuntimeError(
                 "disaggregation_transfer_backend mooncake: the Mooncake transfer engine is not installed "
                 f"(pip install -e '.[pd]'; it needs libibverbs1 and libnuma1): {exc}"
             ) from None
-        self._engine = TransferEngine()
+        self._cuda = bool(getattr(mooncake_engine, "SUPPORT_CUDA", False))
+        self._engine = mooncake_engine.TransferEngine()
         protocol = "rdma" if ib_device else "tcp"
         if self._engine.initialize(host, "P2PHANDSHAKE", protocol, ib_device or "") != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to start on {host} ({protocol})")
@@ -79,6 +80,11 @@ class MooncakeBackend:
         self._lock = threading.Lock()
 
     def register(self, tensors: list[torch.Tensor]) -> None:
+        if not self._cuda and any(t.device.type == "cuda" for t in tensors):
+            raise RuntimeError(
+                "the installed Mooncake wheel is the CPU build (mooncake-transfer-engine-non-cuda), which cannot "
+                "reach pools on CUDA: install mooncake-transfer-engine instead"
+            )
         with self._lock:
             for t in tensors:
                 if t.data_ptr() in self._registered or t.nbytes == 0:
