@@ -84,6 +84,9 @@ class KVStorage:
         index = self.index_key[layer]
         return select_rows(index, slots) if index is not None else None
 
+    def set_latent_amax(self, latent_amax: dict[int, float]) -> None:
+        """Bounds on |latent| per layer (reloaded weights); only a quantized format keeps a scale from them."""
+
     @property
     def packed_bytes_per_token(self) -> int:
         return self.packed_width * next(iter(self.latent.values())).element_size()
@@ -152,6 +155,11 @@ class QuantizedKVStorage(KVStorage):
         }
         amax = latent_amax or {}
         self.global_scale = {layer: nvfp4_global_scale(amax.get(layer, 0.0)).to(device) for layer in self.layouts}
+
+    def set_latent_amax(self, latent_amax: dict[int, float]) -> None:
+        """New bounds (reloaded weights; the pool holds nothing): rescaled in place, which compiled graphs read."""
+        for layer, scale in self.global_scale.items():
+            scale.copy_(nvfp4_global_scale(latent_amax.get(layer, 0.0)))
 
     def write(self, layer: int, slots: torch.Tensor, latent, rope_key, index_key) -> None:
         lay = self.layouts[layer]
