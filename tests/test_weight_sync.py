@@ -99,6 +99,18 @@ def stream(url: str, prompt, new, started: threading.Event | None = None, lora=N
     return chunks
 
 
+def stream_completion(url: str, prompt, new, started: threading.Event) -> list[dict]:
+    """An OpenAI streamed /v1/completions: its chunks (it cannot take back text it sent)."""
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks = []
+    with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+                started.set()
+    return chunks
+
+
 def runs(chunks: list[dict]) -> list[list[dict]]:
     """The stream cut where it starts over (a retracted request's next chunk is not an extension of the last)."""
     out: list[list[dict]] = []
@@ -157,9 +169,10 @@ def test_sync_under_load_retract_reruns_each_request_whole_on_the_new_weights(sy
     """16 streams on v_old; pause(retract) → update_weights_from_disk → continue: each one completes on one
     version, its tokens those of that version alone."""
     http, old = sync.http, sync.current
-    events = [threading.Event() for _ in PROMPTS]
-    with ThreadPoolExecutor(16) as pool:
+    events = [threading.Event() for _ in range(len(PROMPTS) + 1)]
+    with ThreadPoolExecutor(17) as pool:
         futures = [pool.submit(stream, sync.url, p, LONG, e) for p, e in zip(PROMPTS, events)]
+        openai = pool.submit(stream_completion, sync.url, PROMPTS[0], LONG, events[-1])
         assert all(e.wait(60) for e in events)  # every request is streaming on the old weights
         with paused(http, "retract") as answer:
             assert answer["status"] == "ok" and answer["num_retracted_requests"] >= 12
@@ -171,6 +184,8 @@ def test_sync_under_load_retract_reruns_each_request_whole_on_the_new_weights(sy
             new = sync.current
             assert answer["success"] and answer["num_paused_requests"] >= 12 and answer["weight_version"] == new
         results = [f.result() for f in futures]
+        # An OpenAI stream cannot take back the text it sent: retracted, it ends with finish_reason "abort".
+        assert [c["choices"][0]["finish_reason"] for c in openai.result()][-1] == "abort"
     assert sum(sync.ref(p, LONG, old) != sync.ref(p, LONG, new) for p in PROMPTS) >= 12  # the versions differ
     retracted = 0
     for prompt, chunks in zip(PROMPTS, results):
@@ -198,7 +213,10 @@ def test_update_while_generating_lets_started_requests_finish_on_the_old_weights
         wait_running(http, 4)
         client = httpx.Client(base_url=sync.url, timeout=120)
         answer = pool.submit(sync.update, sync.other(), client)  # lands while the four decode
-        time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while not state(http)["pending_weight_updates"]:  # waiting for the started ones
+            assert not answer.done() and time.monotonic() < deadline
+            time.sleep(0.002)
         late = [pool.submit(stream, sync.url, p, 8) for p in PROMPTS[4:6]]
         assert answer.result()["success"]
         for prompt, f in zip(PROMPTS[:4], early):
@@ -350,3 +368,35 @@ def test_adapter_upsert_during_traffic_finishes_old_requests_on_the_old_version(
     assert http.get("/get_server_info").json()["lora_adapters"]["pol"]["lora_version"] == "2"
     assert post_ok(http, "/generate", _body(pol[0], 8, lora="pol"))["output_ids"] == sync.ref(pol[0], 8, adapter="a2")
     assert_nothing_held(http)
+
+
+def test_retracted_requests_rerun_from_scratch_to_the_tokens_of_a_fresh_run(tiny_checkpoints):
+    """Engine level: retract_all frees every page and slot and forgets every per-token record (a field added to
+    Request later included), and a seeded sampled request reruns to exactly what it gives alone."""
+    from dataclasses import fields
+
+    from kestrel.engine.llm import LLM
+    from kestrel.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_checkpoints["kimi_k3"]), max_total_tokens=2048, max_model_len=256)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=2)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:3]]
+    free_pages, free_slots = engine.pages.num_free, engine.slots.num_free
+    ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    for _ in range(5):
+        engine.step()
+    with pytest.raises(ValueError, match="started on the current weights"):
+        engine.update_weights_from_disk(str(tiny_checkpoints["kimi_k3"]))
+    retracted = engine.retract_all()
+    assert len(retracted) == 3 and not engine.started_requests()
+    assert (engine.pages.num_free, engine.slots.num_free) == (free_pages, free_slots)  # nothing committed or held
+    for req in retracted:
+        lists = [f.name for f in fields(req) if isinstance(getattr(req, f.name), list) and f.name != "prompt_ids"]
+        assert all(not getattr(req, name) for name in lists), lists
+        assert req.output_text == "" and req.weight_version is None and req.computed_len == 0
+    done = {}
+    while engine.has_unfinished:
+        done |= {o.request_id: o for o in engine.step().finished}
+    assert [done[i].outputs[0].token_ids for i in ids] == alone
+    assert {done[i].outputs[0].weight_version for i in ids} == {"default"}

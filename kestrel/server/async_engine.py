@@ -141,7 +141,7 @@ class AsyncEngine:
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._live: set[str] = set()  # loop thread only: ids submitted and not yet finished
         self._lock = threading.Lock()
-        self._stats = engine.stats()
+        self._stats = engine.stats() | {"pending_weight_updates": 0}
         self._unadmitted = 0  # submitted, not yet reflected in _stats (under _lock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -289,9 +289,6 @@ class AsyncEngine:
     async def update_weights(self, path: str, version: str | None, abort_all: bool) -> int:
         """Reload the weights from `path` once no started request remains (see the module docstring); returns the
         number of requests paused meanwhile. ValueError naming the problem, weights untouched, for a bad path."""
-        # The headers are checked first, off the engine thread, so a bad path refuses before anything is aborted.
-        cfg, dtype = self._engine.model_config, getattr(torch, self.engine_config.dtype)
-        await asyncio.to_thread(check_checkpoint, cfg, path, dtype)
         paused = await self._command("update", path, version, abort_all)
         if version is not None:
             self.weight_version = version
@@ -359,7 +356,7 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting all requests")
                 self._abort_all(out, "internal engine error", status=500)
             self._post(out)
-            stats = engine.stats()
+            stats = self._engine_stats()
             with self._lock:
                 self._stats = stats
                 self._unadmitted -= self._added
@@ -430,6 +427,13 @@ class AsyncEngine:
         self._settle(done)
 
     def _update(self, out: list, done: asyncio.Future, path: str, version: str | None, abort_all: bool) -> None:
+        # Headers only, and on this thread (building the meta-device model sets torch's global default dtype):
+        # a bad checkpoint is refused before any request is aborted, retracted or waited for.
+        try:
+            check_checkpoint(self._engine.model_config, path, getattr(torch, self.engine_config.dtype))
+        except ValueError as exc:
+            self._settle(done, error=exc)
+            return
         if abort_all:
             self._abort_tracked(out)
         if self._paused == "in_place":
@@ -501,9 +505,13 @@ class AsyncEngine:
 
     def _refresh_stats(self) -> None:
         """Before answering a command: a /get_server_info right after it must see what it changed."""
-        stats = self._engine.stats()
+        stats = self._engine_stats()
         with self._lock:
             self._stats = stats
+
+    def _engine_stats(self) -> dict[str, int]:
+        """The engine's counters, plus the weight updates waiting for started requests to finish."""
+        return self._engine.stats() | {"pending_weight_updates": len(self._pending)}
 
     def _abort(self, rid: str, out: list) -> None:
         held = next((cmd for cmd in self._held if cmd.stream.request_id == rid), None)
