@@ -13,6 +13,7 @@ import torch
 
 from kestrel.cache.free_list import FreeList
 from kestrel.config import ModelConfig
+from kestrel.models.layers.casts import cast
 from kestrel.quant.fp4 import nvfp4_global_scale
 from kestrel.quant.kv_formats import KVTokenLayout
 
@@ -71,10 +72,10 @@ class KVStorage:
             self.index_key[layer] = torch.zeros(slots, cfg.index_head_dim, dtype=dtype, device=device) if dsa else None
 
     def write(self, layer: int, slots: torch.Tensor, latent, rope_key, index_key) -> None:
-        self.latent[layer].index_copy_(0, slots, latent.to(self.latent[layer].dtype))
-        self.rope_key[layer].index_copy_(0, slots, rope_key.to(self.rope_key[layer].dtype))
+        self.latent[layer].index_copy_(0, slots, cast(latent, self.latent[layer].dtype))
+        self.rope_key[layer].index_copy_(0, slots, cast(rope_key, self.rope_key[layer].dtype))
         if index_key is not None:
-            self.index_key[layer].index_copy_(0, slots, index_key.to(self.index_key[layer].dtype))
+            self.index_key[layer].index_copy_(0, slots, cast(index_key, self.index_key[layer].dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [*slots.shape, r] and rope keys [*slots.shape, dr] at the given slots."""
