@@ -72,6 +72,11 @@ class Request:
     # Prefill/decode disaggregation: the `kestrel.disagg.role.BootstrapTarget` pairing this request with its other
     # half (None: served here from start to end).
     bootstrap: Any = None
+    # The weights and adapter version the request runs on, stamped when it is first scheduled (None before). A weight
+    # sync never changes them under a running request: it finishes first, or is retracted and restamped on rerun.
+    weight_version: str | None = None
+    lora_version: str | None = None
+    lora_checksum: str | None = None
 
     @property
     def num_tokens(self) -> int:

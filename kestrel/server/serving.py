@@ -181,6 +181,7 @@ class Generation:
         deltas: bool,
         routed_experts: bool = False,
         loras: list[str | None] | None = None,
+        restartable: bool = False,
         bootstraps: list[BootstrapTarget | None] | None = None,
     ) -> None:
         self.engine = ctx.engine
@@ -200,6 +201,7 @@ class Generation:
                     routed_experts=routed_experts,
                     events=self.queue,
                     lora=lora,
+                    restartable=restartable,
                     bootstrap=boot,
                 )
                 self.pending.add(rid)
