@@ -29,7 +29,7 @@ from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
-from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
+from kestrel.engine.grammar import GrammarBackend, new_matcher
 from kestrel.engine.lora_registry import AdapterRegistry, AdapterVersion, started
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
@@ -309,7 +309,7 @@ class Engine:
                 )
             req = Request(request_id, ids, sub, arrival=next(self._arrivals))
             req.generator = self.sampler.make_generator(sub, self.device)
-            req.matcher = GrammarMatcher(sub.grammar) if sub.grammar is not None else None
+            req.matcher = new_matcher(sub.grammar) if sub.grammar is not None else None
             req.routed_experts = [] if return_routed_experts else None
             if lora_name is not None:
                 req.lora_name, req.cache_key_offset = lora_name, self.adapters.public[lora_name].cache_key_offset

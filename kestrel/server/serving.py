@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
@@ -16,12 +16,14 @@ from tokenizers import decoders
 
 from kestrel.disagg.role import BootstrapTarget
 from kestrel.engine.engine import RequestOutput
-from kestrel.engine.grammar import CompiledGrammar
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.server.async_engine import AsyncEngine, EngineStopped, NeverFits, QueueFull, StreamEvent
 from kestrel.server.errors import APIError, ClientDisconnected
 from kestrel.server.protocol import ResponseFormat
 from kestrel.tokenizer import BYTE_LEVEL
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's, when the router names a prefill without one
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
