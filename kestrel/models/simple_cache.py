@@ -6,6 +6,7 @@ import torch
 
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.vision.inputs import encode_images, image_offsets, splice_rows
 
 
 class SimpleCache:
@@ -78,10 +79,16 @@ class SimpleCache:
 
 
 @torch.inference_mode()
-def full_logits(model: CausalLM, input_ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """Logits [T, V] of one whole sequence with no cache: the plainest forward."""
+def full_logits(model: CausalLM, input_ids: list[int] | torch.Tensor, images: list | None = None) -> torch.Tensor:
+    """Logits [T, V] of one whole sequence with no cache: the plainest forward (`images`: the prompt's
+    `ProcessedImage`s, spliced over its placeholder runs)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
-    return model.logits(model(ForwardBatch.single(ids)))
+    batch = ForwardBatch.single(ids)
+    if images:
+        offsets = image_offsets(ids.tolist(), images, model.cfg.vision.image_token_id)
+        batch.mm_rows = torch.tensor(splice_rows(offsets, images), dtype=torch.long, device=model.device)
+        batch.mm_embeds = torch.cat(encode_images(model, images))
+    return model.logits(model(batch))
 
 
 @torch.inference_mode()
