@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kestrel.cache.hicache import HiCache
+from kestrel.cache.keys import IMAGE_KEY_BASE, image_keys
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
@@ -27,6 +28,7 @@ from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.encoder_cache import EncoderCache
 from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
@@ -36,6 +38,8 @@ from kestrel.engine.scheduler import SchedulePlan, Scheduler
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
 from kestrel.models.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAManager, load_peft
+from kestrel.models.vision.inputs import image_offsets
+from kestrel.models.vision.preprocess import ProcessedImage
 from kestrel.spec.draft import load_spec_draft
 from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
@@ -127,6 +131,8 @@ class Engine:
             self.runner = ModelRunner(*pools, compile_max_bs, config.kv_cache_dtype)
         else:
             self.runner = DistModelRunner(*pools, self.groups, config.kv_cache_dtype)
+        if self.model.has_vision:
+            self.runner.encoder_cache = EncoderCache(self.model, config.encoder_cache_tokens)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.draft = load_spec_draft(config, path, self.model) if config.speculative_algorithm else None
@@ -254,8 +260,12 @@ class Engine:
         request_id: str | None = None,
         return_routed_experts: bool = False,
         lora_name: str | None = None,
+        images: list[ProcessedImage] | None = None,
     ) -> str:
-        """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it."""
+        """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it.
+
+        `images`: the prompt's preprocessed images, one per run of placeholder tokens (`vision.image_token_id`),
+        in order, each run as long as the image's `num_tokens`."""
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -270,6 +280,7 @@ class Engine:
         if lora_name is not None and lora_name not in self._lora_key:
             off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
             raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")
+        offsets = self._image_offsets(ids, images) if images else []
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -294,6 +305,9 @@ class Engine:
             req.routed_experts = [] if return_routed_experts else None
             if lora_name is not None:
                 req.lora_name, req.cache_key_offset = lora_name, self._lora_key[lora_name]
+            if images:
+                req.images, req.image_offsets = list(images), offsets
+                req.prompt_keys = prompt_cache_keys(ids, offsets, images, req.cache_key_offset)
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
@@ -302,6 +316,18 @@ class Engine:
             self.scheduler.add(req)
         self._groups[request_id] = group
         return request_id
+
+    @property
+    def supports_images(self) -> bool:
+        """A vision tower is loaded and this deployment can run it (single process for now)."""
+        return self.model_config.vision is not None and self.groups is None
+
+    def _image_offsets(self, ids: list[int], images: list[ProcessedImage]) -> list[int]:
+        if self.model_config.vision is None:
+            raise ValueError("images: this model has no vision tower; it takes text only")
+        if self.groups is not None:
+            raise ValueError("images: not supported with --tp > 1 yet (the vision tower runs on one process)")
+        return image_offsets(ids, images, self.model_config.vision.image_token_id)
 
     # -- LoRA adapters -----------------------------------------------------------------------------------
     def load_lora_adapter(self, name: str, path: str) -> None:
@@ -316,7 +342,7 @@ class Engine:
         digest = hashlib.sha256()
         for f in (CONFIG_FILE, WEIGHTS_FILE):
             digest.update((Path(path) / f).read_bytes())
-        spaces = (1 << 32) // self.model_config.vocab_size - 1  # shifted ids stay 4-byte page keys
+        spaces = IMAGE_KEY_BASE // self.model_config.vocab_size - 1  # shifted ids stay below the image keys
         key = int.from_bytes(digest.digest()[:8], "little") % spaces + 1
         while key in self._lora_keys_used:
             key = key % spaces + 1
@@ -485,6 +511,9 @@ class Engine:
         }
         if self.spec is not None:
             out.update(self.spec.stats())
+        if (enc := self.runner.encoder_cache) is not None:
+            out |= {"vision_tower_runs": enc.tower_runs, "images_encoded": enc.images_encoded}
+            out |= {"encoder_cache_hits": enc.hits, "encoder_cache_tokens": enc.tokens}
         if self.config.enable_prefix_caching:
             out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
             out["prefix_cache_pages"] = self.cache.device_pages()
@@ -500,6 +529,16 @@ class Engine:
     def close(self) -> None:
         """Write back what only memory holds (write_back policy) so the disk tier survives a restart."""
         self.cache.flush()
+
+
+def prompt_cache_keys(ids: list[int], offsets: list[int], images: list[ProcessedImage], key_offset: int) -> list[int]:
+    """A prompt's prefix-cache keys: its token ids (shifted into an adapter's namespace) with each image's
+    placeholder run replaced by that image's content keys."""
+    keys = ids if not key_offset else [t + key_offset for t in ids]
+    keys = list(keys)
+    for off, image in zip(offsets, images):
+        keys[off : off + image.num_tokens] = image_keys(image.content_hash, image.num_tokens, key_offset)
+    return keys
 
 
 def model_fingerprint(path: Path, config: EngineConfig) -> str:

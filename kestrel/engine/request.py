@@ -68,6 +68,12 @@ class Request:
     # the prefix cache never hands one adapter's KV to another adapter or to the base.
     lora_name: str | None = None
     cache_key_offset: int = 0
+    # Images: image i's features replace the prompt's placeholders [image_offsets[i], + images[i].num_tokens).
+    # Their prefix-cache keys are the image's content-hash keys (`prompt_keys`), not the placeholder id, so a
+    # cached page of one image never serves another.
+    images: list[Any] = field(default_factory=list)
+    image_offsets: list[int] = field(default_factory=list)
+    prompt_keys: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +85,10 @@ class Request:
 
     @property
     def cache_ids(self) -> list[int]:
-        """The prefix cache's key of this request's tokens (its adapter's namespace)."""
+        """The prefix cache's key of this request's tokens (its adapter's namespace; images by content)."""
+        if self.prompt_keys is not None:
+            off = self.cache_key_offset
+            return self.prompt_keys + (self.output_ids if not off else [t + off for t in self.output_ids])
         ids = self.all_ids
         return ids if not self.cache_key_offset else [t + self.cache_key_offset for t in ids]
 

@@ -19,6 +19,18 @@ def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
     return runs
 
 
+def expand_placeholders(ids: list[int], images: list[ProcessedImage], token_id: int) -> list[int]:
+    """The chat template writes one placeholder per image; the model reads one per merged patch."""
+    singles = [i for i, t in enumerate(ids) if t == token_id]
+    if len(singles) != len(images):
+        raise ValueError(f"images: the prompt has {len(singles)} image placeholder(s) for {len(images)} image(s)")
+    out, start = [], 0
+    for i, image in zip(singles, images):
+        out += ids[start:i] + [token_id] * image.num_tokens
+        start = i + 1
+    return out + ids[start:]
+
+
 def image_offsets(ids: list[int], images: list[ProcessedImage], token_id: int) -> list[int]:
     """The first placeholder position of each image; ValueError when runs and images do not pair up exactly."""
     runs = placeholder_runs(ids, token_id)
