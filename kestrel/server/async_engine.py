@@ -88,6 +88,7 @@ class _Add:
     routed_experts: bool
     arrival: float
     lora: str | None = None
+    images: list | None = None  # the prompt's ProcessedImages (kestrel.models.vision)
 
 
 @dataclass
@@ -117,6 +118,7 @@ class AsyncEngine:
         self.max_running_requests = engine.config.max_running_requests
         self.engine_config = engine.config
         self.lora_adapters: dict[str, str] = dict(engine.lora_paths)  # loop thread's copy: name -> path
+        self.vision = engine.model_config.vision if engine.supports_images else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._live: set[str] = set()  # loop thread only: ids submitted and not yet finished
@@ -196,6 +198,7 @@ class AsyncEngine:
         routed_experts: bool = False,
         events: asyncio.Queue | None = None,
         lora: str | None = None,
+        images: list | None = None,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -207,7 +210,7 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora))
+        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, images))
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -313,7 +316,12 @@ class AsyncEngine:
         rid = cmd.stream.request_id
         try:
             self._engine.add_request(
-                cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts, lora_name=cmd.lora
+                cmd.prompt_ids,
+                cmd.params,
+                rid,
+                return_routed_experts=cmd.routed_experts,
+                lora_name=cmd.lora,
+                images=cmd.images,
             )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))
