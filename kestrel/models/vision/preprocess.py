@@ -80,6 +80,13 @@ def navit_size(
     return (new_h, new_w), (-(-new_h // step) * step, -(-new_w // step) * step)
 
 
+def image_tokens(height: int, width: int, cfg: VisionConfig) -> int:
+    """Placeholders an image of height x width pixels takes (without decoding it)."""
+    p = cfg.patch_size
+    _, (pad_h, pad_w) = navit_size(height, width, p, cfg.merge_kernel[0], cfg.max_patches, cfg.max_patches_per_side)
+    return num_image_tokens(cfg, (1, pad_h // p, pad_w // p))
+
+
 def preprocess_image(image: Image.Image, cfg: VisionConfig) -> ProcessedImage:
     """Resize, pad, normalise and patchify one decoded image for `cfg`'s tower."""
     pixels = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1).contiguous()  # [3, H, W] uint8
