@@ -140,9 +140,11 @@ RECIPES = {
         layers=4,
         experts=4,
         vocab_target=1024,
-        train_episodes=3000,
-        eval_episodes=64,
-        sft=SFTConfig(steps=800, batch_size=16, lr=3e-3, warmup_steps=30, eval_every=200, save_every=100),
+        train_episodes=1500,
+        eval_episodes=32,
+        sft=SFTConfig(
+            steps=600, batch_size=16, lr=3e-3, warmup_steps=20, eval_every=150, save_every=50, max_minutes=40
+        ),
         vision=VisionMix(episodes=12000),
     ),
     # Seconds-scale run for tests.
