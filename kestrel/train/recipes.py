@@ -143,7 +143,7 @@ RECIPES = {
         train_episodes=1500,
         eval_episodes=32,
         sft=SFTConfig(
-            steps=600, batch_size=16, lr=3e-3, warmup_steps=20, eval_every=150, save_every=50, max_minutes=40
+            steps=500, batch_size=16, lr=3e-3, warmup_steps=20, eval_every=125, save_every=50, max_minutes=40
         ),
         vision=VisionMix(episodes=12000),
     ),
