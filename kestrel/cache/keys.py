@@ -29,3 +29,12 @@ def image_keys(content_hash: str, num_tokens: int, namespace: int = 0) -> list[i
         h = hashlib.blake2b(seed + j.to_bytes(4, "little"), digest_size=4).digest()
         keys.append(IMAGE_KEY_BASE | (int.from_bytes(h, "little") & (IMAGE_KEY_BASE - 1)))
     return keys
+
+
+def multimodal_keys(ids: list[int], images: list[tuple[int, str, int]], namespace: int = 0) -> list[int]:
+    """A prompt's cache keys: token ids shifted into `namespace`, with each image's placeholder run
+    (offset, content hash, length) replaced by that image's content keys."""
+    keys = [t + namespace for t in ids]
+    for offset, content_hash, n in images:
+        keys[offset : offset + n] = image_keys(content_hash, n, namespace)
+    return keys

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kestrel.cache.keys import multimodal_keys
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.sampler import PromptLogprob
 from kestrel.engine.sampling_params import SamplingParams
@@ -73,7 +74,12 @@ class Request:
     # cached page of one image never serves another.
     images: list[Any] = field(default_factory=list)
     image_offsets: list[int] = field(default_factory=list)
-    prompt_keys: list[int] | None = None
+    _prompt_keys: tuple[int, list[int]] | None = field(default=None, repr=False)  # (for cache_key_offset, keys)
+    # The weights and adapter version the request runs on, stamped when it is first scheduled (None before). A weight
+    # sync never changes them under a running request: it finishes first, or is retracted and restamped on rerun.
+    weight_version: str | None = None
+    lora_version: str | None = None
+    lora_checksum: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,9 +92,12 @@ class Request:
     @property
     def cache_ids(self) -> list[int]:
         """The prefix cache's key of this request's tokens (its adapter's namespace; images by content)."""
-        if self.prompt_keys is not None:
-            off = self.cache_key_offset
-            return self.prompt_keys + (self.output_ids if not off else [t + off for t in self.output_ids])
+        off = self.cache_key_offset
+        if self.images:  # computed once per namespace (an adapter swap may move a waiting request's)
+            if self._prompt_keys is None or self._prompt_keys[0] != off:
+                spans = [(o, im.content_hash, im.num_tokens) for o, im in zip(self.image_offsets, self.images)]
+                self._prompt_keys = (off, multimodal_keys(self.prompt_ids, spans, off))
+            return self._prompt_keys[1] + (self.output_ids if not off else [t + off for t in self.output_ids])
         ids = self.all_ids
         return ids if not self.cache_key_offset else [t + self.cache_key_offset for t in ids]
 

@@ -170,6 +170,7 @@ class Generation:
         deltas: bool,
         routed_experts: bool = False,
         loras: list[str | None] | None = None,
+        restartable: bool = False,
         images: list[list[ProcessedImage] | None] | None = None,
     ) -> None:
         self.engine = ctx.engine
@@ -189,6 +190,7 @@ class Generation:
                     routed_experts=routed_experts,
                     events=self.queue,
                     lora=lora,
+                    restartable=restartable,
                     images=ims,
                 )
                 self.pending.add(rid)
