@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: a wheel of 2.13.0 (CPU) is on disk; anything else downloads several GB.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,router,pd]'
+	# The image-processor oracle (transformers' Kimi_K25ImageProcessor) needs torchvision, whose only wheel beside
+	# CPU torch 2.13 is CUDA-built: installed into the venv it breaks every transformers import, so it goes to a
+	# side folder that tests/hf_fixtures.py puts on the path of one child process.
+	$(PY) -m pip install -q --no-deps --target $(VENV)/oracle-torchvision torchvision==0.28.0
 	touch $(STAMP)
 
 lint: setup

@@ -42,6 +42,9 @@ class EngineConfig:
         default=None, metadata={"help": "longest prompt + output (default: the model's, capped at 32768)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampling generators"})
+    encoder_cache_tokens: int = field(
+        default=16384, metadata={"help": "image feature rows kept for reuse by content hash (vision models)"}
+    )
     # Prefix cache (radix tree with KDA state checkpoints) and its lower tiers (HiCache).
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prompt prefixes (radix tree)"})
     state_track_interval: int = field(
@@ -197,6 +200,7 @@ class EngineConfig:
         )
         need(self.max_states_per_path >= -1, "max_states_per_path", "must be >= 0, or -1 for unlimited")
         need(self.max_state_checkpoints is None or self.max_state_checkpoints >= 0, "max_state_checkpoints", ">= 0")
+        need(self.encoder_cache_tokens >= 0, "encoder_cache_tokens", "must be >= 0")
         need(self.num_threads >= 0, "num_threads", "must be >= 0 (0: torch's default)")
         need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")

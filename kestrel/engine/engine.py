@@ -29,6 +29,7 @@ from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.encoder_cache import EncoderCache
 from kestrel.engine.grammar import GrammarBackend, new_matcher
 from kestrel.engine.lora_registry import AdapterRegistry, AdapterVersion, started
 from kestrel.engine.model_runner import ModelRunner
@@ -40,6 +41,8 @@ from kestrel.engine.weight_sync import reload_weights, restart
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
 from kestrel.models.lora import LoRAManager
+from kestrel.models.vision.inputs import image_offsets
+from kestrel.models.vision.preprocess import ProcessedImage
 from kestrel.spec.draft import load_spec_draft
 from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
@@ -136,6 +139,8 @@ class Engine:
             self.runner = ModelRunner(*pools, compile_max_bs, config.kv_cache_dtype)
         else:
             self.runner = DistModelRunner(*pools, self.groups, config.kv_cache_dtype)
+        if self.model.has_vision:
+            self.runner.encoder_cache = EncoderCache(self.model, config.encoder_cache_tokens)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.draft = load_spec_draft(config, path, self.model) if config.speculative_algorithm else None
@@ -265,10 +270,13 @@ class Engine:
         return_routed_experts: bool = False,
         lora_name: str | None = None,
         bootstrap: BootstrapTarget | None = None,
+        images: list[ProcessedImage] | None = None,
     ) -> str:
         """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it.
 
-        `bootstrap` (disaggregated workers): the room pairing this request's prefill and decode halves."""
+        `bootstrap` (disaggregated workers): the room pairing this request's prefill and decode halves.
+        `images`: the prompt's preprocessed images, one per run of placeholder tokens (`vision.image_token_id`),
+        in order, each run as long as the image's `num_tokens`."""
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -283,6 +291,7 @@ class Engine:
         if lora_name is not None and lora_name not in self.adapters.public:
             off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
             raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")
+        offsets = self._image_offsets(ids, images) if images else []
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -313,6 +322,8 @@ class Engine:
             req.routed_experts = [] if return_routed_experts else None
             if lora_name is not None:
                 req.lora_name, req.cache_key_offset = lora_name, self.adapters.public[lora_name].cache_key_offset
+            if images:
+                req.images, req.image_offsets = list(images), offsets
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
@@ -325,6 +336,18 @@ class Engine:
                 self.scheduler.add(req)
         self._groups[request_id] = group
         return request_id
+
+    @property
+    def supports_images(self) -> bool:
+        """A vision tower is loaded and this deployment can run it (single process for now)."""
+        return self.model_config.vision is not None and self.groups is None
+
+    def _image_offsets(self, ids: list[int], images: list[ProcessedImage]) -> list[int]:
+        if self.model_config.vision is None:
+            raise ValueError("images: this model has no vision tower; it takes text only")
+        if self.groups is not None:
+            raise ValueError("images: not supported with --tp > 1 yet (the vision tower runs on one process)")
+        return image_offsets(ids, images, self.model_config.vision.image_token_id)
 
     # -- LoRA adapters -----------------------------------------------------------------------------------
     def load_lora_adapter(
@@ -366,6 +389,8 @@ class Engine:
         Call it between steps with no request started (`started_requests`): ValueError naming the problem, with
         the old weights untouched, for a checkpoint that does not match."""
         reload_weights(self, Path(path), model_fingerprint(Path(path), self.config))
+        if self.runner.encoder_cache is not None:  # image features of the old tower
+            self.runner.encoder_cache.clear()
         if version is not None:
             self.weight_version = version
 
@@ -578,6 +603,9 @@ class Engine:
             out.update(self.spec.stats())
         if self.disagg is not None:
             out.update(self.disagg.stats())
+        if (enc := self.runner.encoder_cache) is not None:
+            out |= {"vision_tower_runs": enc.tower_runs, "images_encoded": enc.images_encoded}
+            out |= {"encoder_cache_hits": enc.hits, "encoder_cache_tokens": enc.tokens}
         if self.config.enable_prefix_caching:
             out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
             out["prefix_cache_pages"] = self.cache.device_pages()

@@ -10,11 +10,13 @@ from kestrel.cache.kv_pool import KVStorage, make_kv_storage
 from kestrel.cache.pool_io import PoolIO
 from kestrel.cache.state_pool import StateStorage
 from kestrel.engine.compiled_decode import CompiledDecode
+from kestrel.engine.encoder_cache import EncoderCache
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.lora import LoRAManager
+from kestrel.models.vision.preprocess import ProcessedImage
 
 
 class PagedCacheView:
@@ -190,6 +192,7 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.replay_verify = False
         self.lora: LoRAManager | None = None  # set by the engine when it serves adapters
+        self.encoder_cache: EncoderCache | None = None  # set by the engine for a model with a vision tower
 
     def kv_rows_per_page(self, page_size: int) -> int:
         """KV pool rows per page (a decode-context-parallel rank keeps only its share of each page's tokens)."""
@@ -275,8 +278,12 @@ class ModelRunner:
     def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
         routed = routed or any(c.request.routed_experts is not None for c in plan.chunks)
         capture = bool(self.capture_layers)
-        bucket = self.compiled.bucket_for(plan) if self.compiled is not None and not routed and not capture else 0
+        images = image_pieces(plan) if self.encoder_cache is not None else []
+        eager = routed or capture or bool(images)
+        bucket = self.compiled.bucket_for(plan) if self.compiled is not None and not eager else 0
         batch, rows, copies = self.prepare(plan, pad_to=bucket)
+        if images:
+            self.splice_images(batch, images)
         if routed:
             batch.routed_experts = {}
         if capture:
@@ -294,6 +301,37 @@ class ModelRunner:
         sample = self.model.logits(hidden[rows])
         prompt = {i: self.model.logits(hidden[batch.seq_slice(i)]) for i in prompt_logit_chunks(plan)}
         return StepLogits(sample, prompt), batch
+
+    def splice_images(self, batch: ForwardBatch, pieces: list[ImagePiece]) -> None:
+        """Point the batch's placeholder rows at their images' features (from the encoder cache)."""
+        features = self.encoder_cache.features([p.image for p in pieces])
+        rows = [p.row + j for p in pieces for j in range(p.count)]
+        batch.mm_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        batch.mm_embeds = torch.cat([features[p.image.content_hash][p.first : p.first + p.count] for p in pieces])
+
+
+@dataclass
+class ImagePiece:
+    """Placeholders [first, first + count) of `image` sit at flat rows [row, row + count) of the step."""
+
+    row: int
+    image: ProcessedImage
+    first: int
+    count: int
+
+
+def image_pieces(plan: SchedulePlan) -> list[ImagePiece]:
+    """The parts of image placeholder runs each chunk of the plan computes (a chunk may cut a run anywhere)."""
+    pieces, base = [], 0
+    for c in plan.chunks:
+        req = c.request
+        lo, hi = c.start, min(c.start + c.num_tokens, len(req.prompt_ids))
+        for offset, image in zip(req.image_offsets, req.images):
+            a, b = max(lo, offset), min(hi, offset + image.num_tokens)
+            if a < b:
+                pieces.append(ImagePiece(base + a - c.start, image, a - offset, b - a))
+        base += c.num_tokens
+    return pieces
 
 
 def prompt_logit_chunks(plan: SchedulePlan) -> list[int]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kestrel.cache.keys import multimodal_keys
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.sampler import PromptLogprob
 from kestrel.engine.sampling_params import SamplingParams
@@ -72,6 +73,12 @@ class Request:
     # Prefill/decode disaggregation: the `kestrel.disagg.role.BootstrapTarget` pairing this request with its other
     # half (None: served here from start to end).
     bootstrap: Any = None
+    # Images: image i's features replace the prompt's placeholders [image_offsets[i], + images[i].num_tokens).
+    # Their prefix-cache keys are the image's content-hash keys (`prompt_keys`), not the placeholder id, so a
+    # cached page of one image never serves another.
+    images: list[Any] = field(default_factory=list)
+    image_offsets: list[int] = field(default_factory=list)
+    _prompt_keys: tuple[int, list[int]] | None = field(default=None, repr=False)  # (for cache_key_offset, keys)
     # The weights and adapter version the request runs on, stamped when it is first scheduled (None before). A weight
     # sync never changes them under a running request: it finishes first, or is retracted and restamped on rerun.
     weight_version: str | None = None
@@ -88,7 +95,13 @@ class Request:
 
     @property
     def cache_ids(self) -> list[int]:
-        """The prefix cache's key of this request's tokens (its adapter's namespace)."""
+        """The prefix cache's key of this request's tokens (its adapter's namespace; images by content)."""
+        off = self.cache_key_offset
+        if self.images:  # computed once per namespace (an adapter swap may move a waiting request's)
+            if self._prompt_keys is None or self._prompt_keys[0] != off:
+                spans = [(o, im.content_hash, im.num_tokens) for o, im in zip(self.image_offsets, self.images)]
+                self._prompt_keys = (off, multimodal_keys(self.prompt_ids, spans, off))
+            return self._prompt_keys[1] + (self.output_ids if not off else [t + off for t in self.output_ids])
         ids = self.all_ids
         return ids if not self.cache_key_offset else [t + self.cache_key_offset for t in ids]
 

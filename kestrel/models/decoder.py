@@ -13,6 +13,7 @@ from kestrel.models.layers.mla import MLAAttention
 from kestrel.models.layers.moe import DenseMLP, MoE
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding
+from kestrel.models.vision.moonvit import Grid, MoonViT, Projector
 
 
 class DecoderLayer(nn.Module):
@@ -98,6 +99,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
+        if batch.mm_embeds is not None:  # image placeholders take the projected image features
+            h = h.index_copy(0, batch.mm_rows, batch.mm_embeds.to(h.dtype))
         rope = self.rotary(batch.positions, h.dtype) if self.rotary is not None else None
         capture = batch.captured if batch.captured is not None else {}
         if not self.cfg.attn_res_block_size:
@@ -119,7 +122,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head. `forward` returns final hidden states; `logits` projects the rows you need (fp32)."""
+    """Decoder + LM head (+ the vision tower and projector of a multimodal checkpoint, under its own names).
+    `forward` returns final hidden states; `logits` projects the rows you need (fp32)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -128,6 +132,19 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.vision is not None:
+            self.vision_tower = MoonViT(cfg.vision)
+            self.mm_projector = Projector(cfg.vision)
+
+    @property
+    def has_vision(self) -> bool:
+        return self.cfg.vision is not None
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        """Patches of several images → each image's placeholder embeddings [h·w / 4, hidden], in order."""
+        features = self.mm_projector(self.vision_tower(pixel_values, grids))
+        kh, kw = self.cfg.vision.merge_kernel
+        return list(features.split([(h // kh) * (w // kw) for _, h, w in grids]))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

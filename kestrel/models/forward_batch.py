@@ -124,6 +124,9 @@ class ForwardBatch:
     capture_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] | None = None
     kda_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # Images: the embeddings of flat rows `mm_rows` [M] are replaced by `mm_embeds` [M, d] (projected features).
+    mm_rows: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
     _leading_single: int = field(default=0, repr=False)
     _packed: dict[tuple[int, int], PackedPrefill] = field(default_factory=dict, repr=False)

@@ -105,6 +105,7 @@ class _Add:
     lora: str | None = None
     restartable: bool = False  # the consumer takes `reset` deltas (else a retracted stream that sent text aborts)
     bootstrap: BootstrapTarget | None = None
+    images: list | None = None  # the prompt's ProcessedImages (kestrel.models.vision)
 
 
 @dataclass
@@ -136,6 +137,7 @@ class AsyncEngine:
         self.max_running_requests = engine.config.max_running_requests
         self.engine_config = engine.config
         self.lora_adapters: dict[str, str] = dict(engine.lora_paths)  # loop thread's copy: name -> path
+        self.vision = engine.model_config.vision if engine.supports_images else None
         self.lora_versions = {name: e.describe() for name, e in engine.adapters.public.items()}  # loop thread's copy
         self.weight_version = engine.weight_version  # loop thread's copy, updated when a sync completes
         self.paused: str | None = None  # loop thread's copy of the pause mode
@@ -229,6 +231,7 @@ class AsyncEngine:
         lora: str | None = None,
         restartable: bool = False,
         bootstrap: BootstrapTarget | None = None,
+        images: list | None = None,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -240,7 +243,9 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        add = _Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, restartable, bootstrap)
+        add = _Add(
+            stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, restartable, bootstrap, images
+        )
         self._inbox.put(add)
         return stream
 
@@ -398,6 +403,7 @@ class AsyncEngine:
                 return_routed_experts=cmd.routed_experts,
                 lora_name=cmd.lora,
                 bootstrap=cmd.bootstrap,
+                images=cmd.images,
             )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))

@@ -75,13 +75,23 @@ class TextPart(_Body):
     text: Str
 
 
+class ImageURL(_Body):
+    url: Annotated[str, Strict(), Field(min_length=1)]  # data:, http(s): or file: (see kestrel/server/media.py)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class MediaPart(_Body):
     """A part of another modality: accepted by the schema only so that the refusal can say what was sent."""
 
-    type: Literal["image_url", "input_audio", "file"]
+    type: Literal["input_audio", "file"]
 
 
-Part = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+Part = Annotated[TextPart | ImagePart | MediaPart, Field(discriminator="type")]
 
 
 class Message(_Body):
@@ -95,7 +105,13 @@ class Message(_Body):
     def to_template(self) -> dict[str, Any]:
         """The dict `render_chat` reads (text parts joined; `developer` is a system message)."""
         out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            # Image parts stay parts: the template writes its image marker there (the URL is the server's business).
+            out["content"] = [
+                {"type": "image_url"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.content
+            ]
+        elif isinstance(self.content, list):
             out["content"] = "".join(p.text for p in self.content)
         if self.role == "developer":
             out["role"] = "system"

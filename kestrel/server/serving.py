@@ -17,8 +17,10 @@ from tokenizers import decoders
 from kestrel.disagg.role import BootstrapTarget
 from kestrel.engine.engine import RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.models.vision.preprocess import ProcessedImage
 from kestrel.server.async_engine import AsyncEngine, EngineStopped, NeverFits, QueueFull, StreamEvent
 from kestrel.server.errors import APIError, ClientDisconnected
+from kestrel.server.media import MediaLoader
 from kestrel.server.protocol import ResponseFormat
 from kestrel.tokenizer import BYTE_LEVEL
 
@@ -36,6 +38,20 @@ class ServingContext:
     model_name: str
     reasoning_parser: str | None = "kimi"  # None: reasoning stays in `content`
     tool_call_parser: str | None = "kimi_k2"  # None: tool calls stay in `content`
+    media: MediaLoader | None = None  # None: the model takes no images
+    max_images: int = 0  # images per request (--limit-mm-per-prompt)
+
+    async def load_images(self, parts: list[tuple[str, str]], ids: list[int]) -> list[ProcessedImage]:
+        """Fetch, size-check, decode and preprocess every image part at once (400 naming the first bad part)."""
+        marker = self.media.vision.image_token_id
+        if ids.count(marker) != len(parts):  # the template wrote one per image part; text wrote more
+            msg = f"messages: {ids.count(marker)} image placeholders for {len(parts)} images (text may not hold them)"
+            raise APIError(400, msg, param="messages")
+        results = await asyncio.gather(*(self.media.load(url, param) for param, url in parts), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model); 404 for a name that is neither."""
@@ -185,6 +201,7 @@ class Generation:
         loras: list[str | None] | None = None,
         restartable: bool = False,
         bootstraps: list[BootstrapTarget | None] | None = None,
+        images: list[list[ProcessedImage] | None] | None = None,
     ) -> None:
         self.engine = ctx.engine
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -195,6 +212,7 @@ class Generation:
             for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
                 lora = loras[i] if loras else None
                 boot = bootstraps[i] if bootstraps else None
+                ims = images[i] if images else None
                 self.engine.submit(
                     ids,
                     params,
@@ -205,6 +223,7 @@ class Generation:
                     lora=lora,
                     restartable=restartable,
                     bootstrap=boot,
+                    images=ims,
                 )
                 self.pending.add(rid)
         except QueueFull as exc:
