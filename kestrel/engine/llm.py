@@ -25,9 +25,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_name: str | list[str | None] | None = None,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. `lora_name`: a loaded adapter for
-        every prompt, or one per prompt (None: the base)."""
+        every prompt, or one per prompt (None: the base). `return_*`: rollout capture (see `Engine.add_request`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -37,7 +39,8 @@ class LLM:
         loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("lora_name: need one per prompt")
-        ids = [self.engine.add_request(p, sp, lora_name=lo) for p, sp, lo in zip(prompts, per_prompt, loras)]
+        capture = dict(return_routed_experts=return_routed_experts, return_indexer_topk=return_indexer_topk)
+        ids = [self.engine.add_request(p, sp, lora_name=lo, **capture) for p, sp, lo in zip(prompts, per_prompt, loras)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:

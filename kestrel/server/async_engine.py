@@ -37,7 +37,6 @@ class SeqDelta:
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    routed_experts: list[dict[int, list[int]]] | None = None
     finish_reason: str | None = None
 
 
@@ -88,6 +87,7 @@ class _Add:
     routed_experts: bool
     arrival: float
     lora: str | None = None
+    indexer_topk: bool = False
 
 
 @dataclass
@@ -196,6 +196,7 @@ class AsyncEngine:
         routed_experts: bool = False,
         events: asyncio.Queue | None = None,
         lora: str | None = None,
+        indexer_topk: bool = False,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -207,7 +208,7 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora))
+        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, indexer_topk))
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -313,7 +314,12 @@ class AsyncEngine:
         rid = cmd.stream.request_id
         try:
             self._engine.add_request(
-                cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts, lora_name=cmd.lora
+                cmd.prompt_ids,
+                cmd.params,
+                rid,
+                return_routed_experts=cmd.routed_experts,
+                lora_name=cmd.lora,
+                return_indexer_topk=cmd.indexer_topk,
             )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))
@@ -393,7 +399,6 @@ class AsyncEngine:
                     text=req.output_text[c0:],
                     logprobs=req.logprobs[t0:] if with_lp else None,
                     top_logprobs=req.top_logprobs[t0:] if with_lp else None,
-                    routed_experts=req.routed_experts[t0:] if req.routed_experts is not None else None,
                     finish_reason=req.finish_reason if req.is_finished else None,
                 )
             )
