@@ -5,6 +5,9 @@ of int32 bytes), what every token that went through the model was routed to: `me
 [prompt + completion - 1, MoE layers, top_k] expert ids and `meta_info.indexer_topk` [same rows, DSA layers,
 index_topk] attended positions (ascending, -1 padded). Row i belongs to the forward row whose input was token i,
 prompt rows included (cached prefix tokens report their first computation), so a trainer can replay the sequence.
+`meta_info.weight_version` (and `lora_version` / `lora_checksum` with an adapter) name what every token of the
+result came from; a sequence retracted by a weight sync starts over, and its next stream chunk says so by
+being the whole new result (chunks are cumulative).
 """
 
 from __future__ import annotations
@@ -113,8 +116,10 @@ class _Seq:
     finish_reason: str | None = None
     final: CompletionOutput | None = None
     prompt_logprobs: list | None = None
+    versions: tuple[str | None, str | None, str | None] = (None, None, None)  # weights, adapter, its checksum
 
     def add(self, d: SeqDelta) -> None:
+        self.versions = (d.weight_version, d.lora_version, d.lora_checksum)
         self.text += d.text
         self.output_ids += d.token_ids
         self.logprobs += d.logprobs or []
@@ -123,6 +128,7 @@ class _Seq:
 
     def finish(self, comp: CompletionOutput, prompt_logprobs: list | None) -> None:
         self.final, self.prompt_logprobs = comp, prompt_logprobs
+        self.versions = (comp.weight_version, comp.lora_version, comp.lora_checksum)
         self.text, self.output_ids, self.finish_reason = comp.text, comp.token_ids, comp.finish_reason
         self.logprobs, self.top_logprobs = comp.logprobs or [], comp.top_logprobs or []
 
@@ -132,7 +138,10 @@ class _Seq:
             "finish_reason": _finish(self.finish_reason, len(self.output_ids)),
             "prompt_tokens": len(self.prompt),
             "completion_tokens": len(self.output_ids),
+            "weight_version": self.versions[0],
         }
+        if self.versions[2] is not None:
+            meta["lora_version"], meta["lora_checksum"] = self.versions[1], self.versions[2]
         if self.final is not None:
             meta["cached_tokens"] = self.final.cached_tokens
             meta["cached_tokens_by_tier"] = self.final.cached_tokens_by_tier
@@ -181,9 +190,10 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
         rids,
         prompts,
         params,
-        deltas=req.stream,
+        req.stream,
         routed_experts=req.return_routed_experts,
         loras=loras,
+        restartable=True,
         indexer_topk=req.return_indexer_topk,
     )
     if req.stream:
@@ -206,6 +216,9 @@ def _apply(event: StreamEvent, gen: Generation, seqs: dict[tuple[int, int], _Seq
     p = gen.index[event.request_id]
     changed = []
     for d in event.deltas:
+        if d.reset:  # retracted and rerun: what came before was from another run (another version)
+            old = seqs[p, d.index]
+            seqs[p, d.index] = _Seq(old.rid, old.prompt)
         seqs[p, d.index].add(d)
         changed.append((p, d.index))
     if event.output is not None:

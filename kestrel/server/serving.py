@@ -154,6 +154,7 @@ class Generation:
         deltas: bool,
         routed_experts: bool = False,
         loras: list[str | None] | None = None,
+        restartable: bool = False,
         indexer_topk: bool = False,
     ) -> None:
         self.engine = ctx.engine
@@ -172,6 +173,7 @@ class Generation:
                     routed_experts=routed_experts,
                     events=self.queue,
                     lora=lora,
+                    restartable=restartable,
                     indexer_topk=indexer_topk,
                 )
                 self.pending.add(rid)
