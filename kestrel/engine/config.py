@@ -10,6 +10,8 @@ from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 DTYPES = ("float32", "bfloat16", "float16")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SPEC_ALGORITHMS = ("dflash",)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "fake")
 
 
 @dataclass
@@ -150,6 +152,31 @@ class EngineConfig:
     )
     dist_timeout: float = field(default=60.0, metadata={"help": "seconds before a stuck collective fails the job"})
 
+    # Prefill/decode disaggregation (kestrel.disagg): SGLang's flags; sglang-router pairs the two roles per request.
+    disaggregation_mode: str = field(
+        default="null",
+        metadata={"help": "null (one worker does both), prefill or decode", "choices": DISAGGREGATION_MODES},
+    )
+    disaggregation_bootstrap_port: int = field(
+        default=8998, metadata={"help": "prefill: port of the bootstrap server decode workers look the rank up at"}
+    )
+    disaggregation_bootstrap_host: str | None = field(
+        default=None, metadata={"help": "address the bootstrap server and the transfer engine use (default: --host)"}
+    )
+    disaggregation_transfer_backend: str = field(
+        default="mooncake",
+        metadata={
+            "help": "KV transport: mooncake, or fake (instant success, no data: warm-up)",
+            "choices": TRANSFER_BACKENDS,
+        },
+    )
+    disaggregation_ib_device: str | None = field(
+        default=None, metadata={"help": "RDMA device(s) for Mooncake, e.g. mlx5_0 (default: TCP)"}
+    )
+    disaggregation_transfer_timeout: float = field(
+        default=300.0, metadata={"help": "seconds a request may wait for its KV (either side) before it fails"}
+    )
+
     def parallel_layout(self):
         """The `kestrel.dist` layout these options ask for."""
         from kestrel.dist.groups import ParallelLayout
@@ -205,6 +232,18 @@ class EngineConfig:
         need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
         need(self.dist_timeout > 0, "dist_timeout", "must be > 0 seconds")
         need(self.moe_dispatch in ("allgather", "alltoall"), "moe_dispatch", "allgather|alltoall")
+        need(self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode", "|".join(DISAGGREGATION_MODES))
+        need(
+            self.disaggregation_transfer_backend in TRANSFER_BACKENDS,
+            "disaggregation_transfer_backend",
+            "|".join(TRANSFER_BACKENDS),
+        )
+        need(0 <= self.disaggregation_bootstrap_port <= 65535, "disaggregation_bootstrap_port", "must be in [0, 65535]")
+        need(self.disaggregation_transfer_timeout > 0, "disaggregation_transfer_timeout", "must be > 0 seconds")
+        if self.disaggregation_mode != "null":
+            # The transfer maps one page table and one state slot per request onto the peer's: one rank each side.
+            need(self.tp == 1 and self.dcp == 1, "disaggregation_mode", "needs --tp 1 (one rank per worker) for now")
+            need(self.nnodes == 1, "disaggregation_mode", "needs --nnodes 1 for now")
         if self.ep_expert_map is not None:
             owners = self.ep_expert_map.split(",")
             need(all(x.strip().isdigit() for x in owners), "ep_expert_map", "ints, comma-separated")
@@ -234,6 +273,8 @@ class EngineConfig:
         if self.enable_return_routed_experts or self.enable_return_indexer_topk:
             need(self.dp_attn == 1 and not self.enable_dp_attention, "dp_attn", "not with rollout capture yet")
             need(self.dcp == 1, "dcp", "not with rollout capture yet")
+            # A decode worker receives pages, not the prefill worker's records of them.
+            need(self.disaggregation_mode == "null", "disaggregation_mode", "not with rollout capture yet")
         need(
             self.hicache_write_policy in HICACHE_WRITE_POLICIES,
             "hicache_write_policy",

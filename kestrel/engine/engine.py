@@ -22,6 +22,8 @@ from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.records import record_bytes_per_token
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
+from kestrel.disagg.messages import FirstToken
+from kestrel.disagg.role import BootstrapTarget, TransferRecord, build_role
 from kestrel.dist.dp_scheduler import dp_scheduling
 from kestrel.dist.engine_ranks import engine_groups
 from kestrel.dist.runner import DistModelRunner
@@ -74,6 +76,7 @@ class CompletionOutput:
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
     error: str | None = None
+    error_status: int = 400  # HTTP status of `error` (5xx: a peer worker failed, not the request)
     spec_accept_length: float | None = None  # mean tokens committed per verify block (speculative decoding)
     spec_verify_ct: int = 0  # verify blocks the sequence went through
     # Rollout capture, one row per token that went through the model (prompt + outputs but the last), int32:
@@ -100,6 +103,7 @@ class StepResult:
 
     advanced: list[Request] = field(default_factory=list)
     finished: list[RequestOutput] = field(default_factory=list)
+    transfers: list[TransferRecord] = field(default_factory=list)  # KV transfers that ended (disaggregation)
 
 
 class Engine:
@@ -197,6 +201,8 @@ class Engine:
                 config.enable_linear_replayssm_spec,
                 self.max_model_len,
             )
+        # Prefill/decode disaggregation: the role's hooks in add_request, step and the output step.
+        self.disagg = build_role(self) if config.disaggregation_mode != "null" else None
         self._arrivals = itertools.count()
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
@@ -273,11 +279,13 @@ class Engine:
         return_routed_experts: bool = False,
         lora_name: str | None = None,
         return_indexer_topk: bool = False,
+        bootstrap: BootstrapTarget | None = None,
     ) -> str:
         """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it.
 
         `return_routed_experts` / `return_indexer_topk`: the finished output carries what every token was routed to
-        (needs the engine started with the matching `enable_return_*` option)."""
+        (needs the engine started with the matching `enable_return_*` option). `bootstrap` (disaggregated workers):
+        the room pairing this request's prefill and decode halves."""
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -299,6 +307,12 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.disagg is not None:
+            mode = self.config.disaggregation_mode
+            if bootstrap is None:
+                raise ValueError(f"bootstrap_room: required by a {mode} worker (send requests through the PD router)")
+            if params.n != 1:
+                raise ValueError(f"n: must be 1 on a {mode} worker (one bootstrap room per sequence)")
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         group = []
         for i in range(params.n):
@@ -325,7 +339,11 @@ class Engine:
                     self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
                 )
             group.append(req)
-            self.scheduler.add(req)
+            if self.disagg is not None:
+                req.bootstrap = bootstrap
+                self.disagg.add(req)
+            else:
+                self.scheduler.add(req)
         self._groups[request_id] = group
         return request_id
 
@@ -391,9 +409,11 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages and state slot return to the free lists immediately."""
         hit = self.scheduler.abort(request_id)
-        self._groups.pop(request_id, None)
+        if self.disagg is not None:
+            self.disagg.abort(request_id)
+        found = self._groups.pop(request_id, None)
         self._collect_adapters()
-        return bool(hit)
+        return bool(found or hit)
 
     def requests(self, request_id: str) -> list[Request]:
         """The live sub-requests of a group (empty once it finished or was aborted)."""
@@ -401,17 +421,32 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.disagg is not None and self.disagg.has_work)
 
     # -- the loop --------------------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Run one model step; return the requests it advanced and the groups that finished during it."""
+        done: list[Request] = []
+        advanced: list[Request] = []
+        transfers: list[TransferRecord] = []
+        if self.disagg is not None:
+            events = self.disagg.poll(idle=not self.scheduler.has_work)
+            for req, first in events.joined:  # decode: the prompt arrived; its first token is output like any
+                advanced.append(req)
+                if self._append_token(req, first.token, first.logprob, first.top):
+                    done.append(req)
+            done += events.finished
+            transfers = events.transfers
+            if events.joined:  # their first token goes out now, not one decode step later (TTFT)
+                advanced += [r for r in done if r not in advanced]
+                finished = self._collect_finished(done)
+                self._collect_adapters()
+                return StepResult(advanced, finished, transfers)
         plan = self.scheduler.schedule()
         for chunk in plan.chunks:
             if chunk.request.weight_version is None:
                 self._stamp_versions(chunk.request)
-        done: list[Request] = list(plan.rejected)
-        advanced: list[Request] = []
+        done += plan.rejected
         if not plan.empty:
             if self.spec is not None:
                 self.spec.propose(plan)
@@ -434,12 +469,13 @@ class Engine:
                 out = self.sampler.sample(logits.sample, rows)
                 sampled = [[tok] for tok in zip(out.token_ids, out.logprobs, out.top_logprobs)]
             self.scheduler.advance(plan)
-            advanced, finished = self._process_outputs(plan, sampled)
+            stepped, finished = self._process_outputs(plan, sampled)
+            advanced += stepped
             done += finished
         advanced += [r for r in done if r not in advanced]
         finished = self._collect_finished(done)
         self._collect_adapters()
-        return StepResult(advanced, finished)
+        return StepResult(advanced, finished, transfers)
 
     def _process_outputs(
         self, plan: SchedulePlan, sampled: list[list[tuple[int, float, list | None]]]
@@ -456,16 +492,12 @@ class Engine:
             req = chunk.request
             advanced.append(req)
             for token, logprob, top in sampled[len(advanced) - 1]:
-                req.output_ids.append(token)
-                if req.params.logprobs is not None:
-                    req.logprobs.append(logprob)
-                    req.top_logprobs.append(top)
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    self._read_records(req)
-                    self.scheduler.finish(req, reason)
-                    if req.detokenizer is not None and not req.detokenizer.stopped:
-                        req.output_text += req.detokenizer.flush()
+                if req.bootstrap is not None and self.config.disaggregation_mode == "prefill":
+                    # The prefill half ends at its first token: the request keeps its pages while they move.
+                    self._record_token(req, token, logprob, top)
+                    self.disagg.hand_off(req, FirstToken(token, logprob, top))
+                    break
+                if self._append_token(req, token, logprob, top):
                     finished.append(req)
                     break
         return advanced, finished
@@ -477,6 +509,25 @@ class Engine:
             experts, topk = self.runner.records.read(req.pages, self.config.page_size, req.num_tokens - 1)
             req.routed_experts = experts if req.return_routed_experts else None
             req.indexer_topk = topk if req.return_indexer_topk else None
+
+    def _append_token(self, req: Request, token: int, logprob: float, top: list | None) -> bool:
+        """Append one output token and apply the stop rules; True if that finished the request."""
+        self._record_token(req, token, logprob, top)
+        reason = self._stop_reason(req, token)
+        if reason is None:
+            return False
+        self._read_records(req)
+        self.scheduler.finish(req, reason)
+        if req.detokenizer is not None and not req.detokenizer.stopped:
+            req.output_text += req.detokenizer.flush()
+        return True
+
+    @staticmethod
+    def _record_token(req: Request, token: int, logprob: float, top: list | None) -> None:
+        req.output_ids.append(token)
+        if req.params.logprobs is not None:
+            req.logprobs.append(logprob)
+            req.top_logprobs.append(top)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.params
@@ -532,6 +583,7 @@ class Engine:
                     cached_tokens=req.cached_tokens,
                     cached_tokens_by_tier=dict(req.cache_hits),
                     error=req.error,
+                    error_status=req.error_status,
                     spec_accept_length=req.spec.mean_accept_length if req.spec is not None else None,
                     spec_verify_ct=len(req.spec.accept_lengths) if req.spec is not None else 0,
                     routed_experts=req.routed_experts,
@@ -556,6 +608,8 @@ class Engine:
         }
         if self.spec is not None:
             out.update(self.spec.stats())
+        if self.disagg is not None:
+            out.update(self.disagg.stats())
         if self.config.enable_prefix_caching:
             out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
             out["prefix_cache_pages"] = self.cache.device_pages()
@@ -569,7 +623,10 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Write back what only memory holds (write_back policy) so the disk tier survives a restart."""
+        """Write back what only memory holds (write_back policy) so the disk tier survives a restart; let the
+        disaggregation role's peers know this worker's transfers are over."""
+        if self.disagg is not None:
+            self.disagg.close()
         self.cache.flush()
 
 

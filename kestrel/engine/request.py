@@ -53,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 400  # HTTP status of `error`: 400 the request cannot be served, 5xx a peer failed
     generator: torch.Generator | None = None
     matcher: Any = None  # xgrammar GrammarMatcher for params.grammar: it has accepted exactly output_ids
     detokenizer: IncrementalDetokenizer | None = None
@@ -71,6 +72,9 @@ class Request:
     # the prefix cache never hands one adapter's KV to another adapter or to the base.
     lora_name: str | None = None
     cache_key_offset: int = 0
+    # Prefill/decode disaggregation: the `kestrel.disagg.role.BootstrapTarget` pairing this request with its other
+    # half (None: served here from start to end).
+    bootstrap: Any = None
     # The weights and adapter version the request runs on, stamped when it is first scheduled (None before). A weight
     # sync never changes them under a running request: it finishes first, or is retracted and restamped on rerun.
     weight_version: str | None = None

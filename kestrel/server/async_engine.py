@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kestrel.disagg.role import BootstrapTarget
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.engine.grammar import GrammarBackend
 from kestrel.engine.request import Request
@@ -102,6 +103,7 @@ class _Add:
     arrival: float
     lora: str | None = None
     restartable: bool = False  # the consumer takes `reset` deltas (else a retracted stream that sent text aborts)
+    bootstrap: BootstrapTarget | None = None
     indexer_topk: bool = False
 
 
@@ -178,7 +180,10 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        if self._engine.disagg is not None:  # rooms change on the bootstrap server's threads too, engine idle or not
+            stats |= self._engine.disagg.stats()
+        return stats
 
     def num_queued(self) -> int:
         """Sequences waiting for admission, counting submissions the engine has not seen yet."""
@@ -223,6 +228,7 @@ class AsyncEngine:
         events: asyncio.Queue | None = None,
         lora: str | None = None,
         restartable: bool = False,
+        bootstrap: BootstrapTarget | None = None,
         indexer_topk: bool = False,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
@@ -235,9 +241,9 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        self._inbox.put(
-            _Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, restartable, indexer_topk)
-        )
+        now = time.monotonic()
+        add = _Add(stream, prompt_ids, params, deltas, routed_experts, now, lora, restartable, bootstrap, indexer_topk)
+        self._inbox.put(add)
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -355,6 +361,8 @@ class AsyncEngine:
                 if engine.has_unfinished and self._paused is None:
                     result = engine.step()
                     self._collect(result.advanced, result.finished, out)
+                    for record in result.transfers:
+                        self.metrics.observe_transfer(record)
             except Exception:  # a bug in a step must not hang every client: fail them, keep serving
                 log.exception("engine step failed; aborting all requests")
                 self._abort_all(out, "internal engine error", status=500)
@@ -391,6 +399,7 @@ class AsyncEngine:
                 rid,
                 return_routed_experts=cmd.routed_experts,
                 lora_name=cmd.lora,
+                bootstrap=cmd.bootstrap,
                 return_indexer_topk=cmd.indexer_topk,
             )
         except ValueError as exc:

@@ -237,7 +237,9 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
     else:
         params.grammar = await ctx.compile_grammar(req.response_format)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(ctx, [rid], [ids], params, deltas=req.stream, loras=[lora])
+    gen = Generation(
+        ctx, [rid], [ids], params, deltas=req.stream, loras=[lora], bootstraps=ctx.bootstrap_targets(req, 1)
+    )
     try:
         if not req.stream:
             (output,) = await gen.outputs(client)

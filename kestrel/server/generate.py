@@ -185,6 +185,7 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
     n = params.n
     seqs = {(p, i): _Seq(rid, ids) for p, (rid, ids) in enumerate(zip(rids, prompts)) for i in range(n)}
     loras = _loras(req, ctx, len(prompts), batch)
+    boots = ctx.bootstrap_targets(req, len(prompts))
     gen = Generation(
         ctx,
         rids,
@@ -194,6 +195,7 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
         routed_experts=req.return_routed_experts,
         loras=loras,
         restartable=True,
+        bootstraps=boots,
         indexer_topk=req.return_indexer_topk,
     )
     if req.stream:

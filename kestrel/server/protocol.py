@@ -152,6 +152,9 @@ class SamplingFields(_Body):
     logit_bias: dict[str, Float] | None = None
     best_of: Int | None = None
     response_format: ResponseFormat | None = None
+    bootstrap_host: Str | list[Str] | None = None  # SGLang's PD fields, injected by its router (one per prompt)
+    bootstrap_port: Int | list[Int | None] | None = None
+    bootstrap_room: Int | list[Int] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -298,6 +301,9 @@ class GenerateRequest(_Body):
     lora_path: Str | list[Str | None] | None = None  # a loaded adapter's name (SGLang's field), per prompt in a batch
     rid: Rid | list[Rid] | None = None
     stream: Bool = False
+    bootstrap_host: Str | list[Str] | None = None  # SGLang's PD fields, injected by its router (one per prompt)
+    bootstrap_port: Int | list[Int | None] | None = None
+    bootstrap_room: Int | list[Int] | None = None
 
 
 class LoadLoRARequest(_Body):

@@ -192,6 +192,12 @@ class DFlashSpeculator:
             req.spec.kv.write(positions[sl], [(k[sl], v[sl]) for k, v in kv])
             at += n
 
+    def attach_context(self, req: Request) -> DraftKV:
+        """Give a request its (empty) draft KV now rather than at its first forward: a decode worker of a
+        disaggregated pair receives the prompt's context into it."""
+        req.spec = SpecState(self._new_kv(req))
+        return req.spec.kv
+
     def _new_kv(self, req: Request) -> DraftKV:
         attn = self.draft.layers[0].self_attn
         need = len(req.prompt_ids) + req.params.max_tokens
