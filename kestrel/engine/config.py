@@ -89,6 +89,23 @@ class EngineConfig:
         default=False, metadata={"help": "KDA rollback by replaying accepted tokens (else per-position snapshots)"}
     )
 
+    # RL rollouts: what each token was routed to, kept beside its KV (prefix-cache hits return full rows), and
+    # batch-invariant numerics (a trainer in the same mode recomputes the rollout's logprobs bit for bit).
+    enable_return_routed_experts: bool = field(
+        default=False, metadata={"help": "record every token's routed experts for /generate's return_routed_experts"}
+    )
+    enable_return_indexer_topk: bool = field(
+        default=False,
+        metadata={"help": "record every token's DSA top-k positions for return_indexer_topk (4 B x layers x top-k)"},
+    )
+    deterministic_inference: bool = field(
+        default=False,
+        metadata={
+            "help": "batch-invariant kernels: rollout logprobs bit-identical to a trainer's in the same mode (slower)",
+            "aliases": ["--enable-deterministic-inference"],
+        },
+    )
+
     # LoRA serving (kestrel.models.lora): adapters beside the frozen base, chosen per request.
     enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (implied by --lora-paths)"})
     lora_paths: list[str] | None = field(
@@ -251,6 +268,17 @@ class EngineConfig:
             need(not self.compile, "compile", "not supported with --tp > 1 yet")
             need(self.hicache_size == 0 and self.hicache_storage_dir is None, "hicache_size", "not with --tp > 1 yet")
             need(self.speculative_algorithm is None, "speculative_algorithm", "not with --tp > 1 yet")
+        if self.deterministic_inference:
+            why = "not supported with --deterministic-inference yet"
+            need(not self.compile, "compile", why + " (inductor fuses ops into other reduction orders)")
+            need(self.kv_cache_dtype == "auto", "kv_cache_dtype", "must be auto with --deterministic-inference")
+            need(self.speculative_algorithm is None, "speculative_algorithm", why)
+            need(self.tp == 1 and self.nnodes == 1, "tp", why)
+        if self.enable_return_routed_experts or self.enable_return_indexer_topk:
+            need(self.dp_attn == 1 and not self.enable_dp_attention, "dp_attn", "not with rollout capture yet")
+            need(self.dcp == 1, "dcp", "not with rollout capture yet")
+            # A decode worker receives pages, not the prefill worker's records of them.
+            need(self.disaggregation_mode == "null", "disaggregation_mode", "not with rollout capture yet")
         need(
             self.hicache_write_policy in HICACHE_WRITE_POLICIES,
             "hicache_write_policy",

@@ -20,6 +20,7 @@ from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
+from kestrel.cache.records import record_bytes_per_token
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
 from kestrel.disagg.messages import FirstToken
 from kestrel.disagg.role import BootstrapTarget, TransferRecord, build_role
@@ -81,6 +82,9 @@ class CompletionOutput:
     error_status: int = 400  # HTTP status of `error` (5xx: a peer worker failed, not the request)
     spec_accept_length: float | None = None  # mean tokens committed per verify block (speculative decoding)
     spec_verify_ct: int = 0  # verify blocks the sequence went through
+    # Rollout capture, one row per token that went through the model (prompt + outputs but the last), int32:
+    routed_experts: torch.Tensor | None = None  # [tokens, MoE layers, top_k] expert ids
+    indexer_topk: torch.Tensor | None = None  # [tokens, DSA layers, index_topk] positions, ascending, -1 padded
     weight_version: str | None = None  # the weights it ran on (None: never scheduled)
     lora_version: str | None = None  # its adapter's version tag and checksum (None: the base, or never scheduled)
     lora_checksum: str | None = None
@@ -123,6 +127,10 @@ class Engine:
             self.model, self.model_config = load_sharded_model(
                 path, self.groups, DTYPES[config.dtype], self.device, config.moe_dispatch
             )
+        if config.deterministic_inference:
+            if self.model_config.routed_expert_format == "mxfp4":
+                raise ValueError("deterministic_inference: not supported with MXFP4-packed experts yet")
+            self.model.batch_invariant = True
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -141,6 +149,8 @@ class Engine:
             self.runner = DistModelRunner(*pools, self.groups, config.kv_cache_dtype)
         if self.model.has_vision:
             self.runner.encoder_cache = EncoderCache(self.model, config.encoder_cache_tokens)
+        if config.enable_return_routed_experts or config.enable_return_indexer_topk:
+            self.runner.enable_records(config.enable_return_routed_experts, config.enable_return_indexer_topk)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.draft = load_spec_draft(config, path, self.model) if config.speculative_algorithm else None
@@ -235,6 +245,10 @@ class Engine:
             tokens = config.max_total_tokens
         else:
             per_token = max(self.kv_bytes_per_token, 1)
+            if self.device.type == "cpu":  # rollout records live in host memory, which is this device's
+                per_token += record_bytes_per_token(
+                    self.model_config, config.enable_return_routed_experts, config.enable_return_indexer_topk
+                )
             budget = free_memory_bytes(self.device) * config.mem_fraction
             budget -= num_slots * state_bytes_per_slot(self.model.cfg, DTYPES[config.dtype])  # this rank's heads
             tokens = int(budget // per_token)
@@ -269,14 +283,17 @@ class Engine:
         request_id: str | None = None,
         return_routed_experts: bool = False,
         lora_name: str | None = None,
+        return_indexer_topk: bool = False,
         bootstrap: BootstrapTarget | None = None,
         images: list[ProcessedImage] | None = None,
     ) -> str:
         """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it.
 
-        `bootstrap` (disaggregated workers): the room pairing this request's prefill and decode halves.
-        `images`: the prompt's preprocessed images, one per run of placeholder tokens (`vision.image_token_id`),
-        in order, each run as long as the image's `num_tokens`."""
+        `return_routed_experts` / `return_indexer_topk`: the finished output carries what every token was routed to
+        (needs the engine started with the matching `enable_return_*` option). `bootstrap` (disaggregated workers):
+        the room pairing this request's prefill and decode halves. `images`: the prompt's preprocessed images, one
+        per run of placeholder tokens (`vision.image_token_id`), in order, each run as long as the image's
+        `num_tokens`."""
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -288,6 +305,10 @@ class Engine:
             if params.prompt_logprobs is not None or return_routed_experts:
                 field = "prompt_logprobs" if params.prompt_logprobs is not None else "return_routed_experts"
                 raise ValueError(f"{field}: not supported with attention DP (--dp-attn > 1) yet")
+        for name, asked in (("routed_experts", return_routed_experts), ("indexer_topk", return_indexer_topk)):
+            if asked and not getattr(self.config, f"enable_return_{name}"):
+                flag = f"--enable-return-{name.replace('_', '-')}"
+                raise ValueError(f"return_{name}: the server records them only when started with {flag}")
         if lora_name is not None and lora_name not in self.adapters.public:
             off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
             raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")
@@ -319,7 +340,7 @@ class Engine:
             req = Request(request_id, ids, sub, arrival=next(self._arrivals))
             req.generator = self.sampler.make_generator(sub, self.device)
             req.matcher = new_matcher(sub.grammar) if sub.grammar is not None else None
-            req.routed_experts = [] if return_routed_experts else None
+            req.return_routed_experts, req.return_indexer_topk = return_routed_experts, return_indexer_topk
             if lora_name is not None:
                 req.lora_name, req.cache_key_offset = lora_name, self.adapters.public[lora_name].cache_key_offset
             if images:
@@ -506,12 +527,21 @@ class Engine:
                     break
         return advanced, finished
 
+    def _read_records(self, req: Request) -> None:
+        """A finishing request's rollout records, through its page table before the pages go back to the cache
+        (rows of tokens [0, num_tokens - 1): the last token never went through the model)."""
+        if req.return_routed_experts or req.return_indexer_topk:
+            experts, topk = self.runner.records.read(req.pages, self.config.page_size, req.num_tokens - 1)
+            req.routed_experts = experts if req.return_routed_experts else None
+            req.indexer_topk = topk if req.return_indexer_topk else None
+
     def _append_token(self, req: Request, token: int, logprob: float, top: list | None) -> bool:
         """Append one output token and apply the stop rules; True if that finished the request."""
         self._record_token(req, token, logprob, top)
         reason = self._stop_reason(req, token)
         if reason is None:
             return False
+        self._read_records(req)
         self.scheduler.finish(req, reason)
         if req.detokenizer is not None and not req.detokenizer.stopped:
             req.output_text += req.detokenizer.flush()
@@ -581,6 +611,8 @@ class Engine:
                     error_status=req.error_status,
                     spec_accept_length=req.spec.mean_accept_length if req.spec is not None else None,
                     spec_verify_ct=len(req.spec.accept_lengths) if req.spec is not None else 0,
+                    routed_experts=req.routed_experts,
+                    indexer_topk=req.indexer_topk,
                     weight_version=req.weight_version,
                     lora_version=req.lora_version,
                     lora_checksum=req.lora_checksum,
@@ -638,4 +670,6 @@ def model_fingerprint(path: Path, config: EngineConfig) -> str:
     h.update(f"{config.dtype}:{config.page_size}".encode())
     if config.kv_cache_dtype != "auto":  # quantized pages are other bytes (auto keeps earlier fingerprints)
         h.update(config.kv_cache_dtype.encode())
+    if config.enable_return_routed_experts or config.enable_return_indexer_topk:  # pages carry record rows too
+        h.update(f"records:{config.enable_return_routed_experts}:{config.enable_return_indexer_topk}".encode())
     return h.hexdigest()[:24]

@@ -28,10 +28,13 @@ class LLM:
         use_tqdm: bool = True,
         lora_name: str | list[str | None] | None = None,
         images: list[list[ProcessedImage] | None] | None = None,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. `lora_name`: a loaded adapter for
         every prompt, or one per prompt (None: the base). `images`: per prompt, the images of its placeholder
-        runs (see `Engine.add_request`, and `LLM.image_prompt` for a chat prompt with images)."""
+        runs (see `Engine.add_request`, and `LLM.image_prompt` for a chat prompt with images). `return_*`: rollout
+        capture (see `Engine.add_request`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -44,8 +47,9 @@ class LLM:
         per_images = images if images is not None else [None] * len(prompts)
         if len(per_images) != len(prompts):
             raise ValueError("images: need one list (or None) per prompt")
+        capture = dict(return_routed_experts=return_routed_experts, return_indexer_topk=return_indexer_topk)
         ids = [
-            self.engine.add_request(p, sp, lora_name=lo, images=im)
+            self.engine.add_request(p, sp, lora_name=lo, images=im, **capture)
             for p, sp, lo, im in zip(prompts, per_prompt, loras, per_images)
         ]
         results: dict[str, RequestOutput] = {}

@@ -8,6 +8,7 @@ import torch
 
 from kestrel.cache.kv_pool import KVStorage, make_kv_storage
 from kestrel.cache.pool_io import PoolIO
+from kestrel.cache.records import RolloutRecords
 from kestrel.cache.state_pool import StateStorage
 from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.encoder_cache import EncoderCache
@@ -193,6 +194,18 @@ class ModelRunner:
         self.replay_verify = False
         self.lora: LoRAManager | None = None  # set by the engine when it serves adapters
         self.encoder_cache: EncoderCache | None = None  # set by the engine for a model with a vision tower
+        # Rollout capture: every forward writes its tokens' routed experts / DSA top-k beside their KV slots.
+        self.records: RolloutRecords | None = None
+
+    def enable_records(self, experts: bool, index_topk: bool) -> RolloutRecords:
+        """Record what every computed token was routed to (before `pool_io`: the cache tiers carry the records)."""
+        self.records = RolloutRecords(self.model.cfg, self.kv_slots, experts, index_topk)
+        return self.records
+
+    @property
+    def kv_slots(self) -> int:
+        """Token slots the page tables address (scratch page included)."""
+        return (self.scratch_page + 1) * self.page_size
 
     def kv_rows_per_page(self, page_size: int) -> int:
         """KV pool rows per page (a decode-context-parallel rank keeps only its share of each page's tokens)."""
@@ -236,7 +249,7 @@ class ModelRunner:
 
     def pool_io(self) -> PoolIO:
         """The prefix cache's access to the pools (a distributed runner replays its state copies on every rank)."""
-        return PoolIO(self.kv, self.states, self.page_size)
+        return PoolIO(self.kv, self.states, self.page_size, self.records)
 
     def build(self, inputs: StepInputs) -> tuple[ForwardBatch, torch.Tensor]:
         """Lists → one metadata tensor (copied to the device once) → ForwardBatch with its paged cache view."""
@@ -275,17 +288,17 @@ class ModelRunner:
         return batch, rows_t
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
-        routed = routed or any(c.request.routed_experts is not None for c in plan.chunks)
-        capture = bool(self.capture_layers)
+    def execute(self, plan: SchedulePlan) -> tuple[StepLogits, ForwardBatch]:
+        records, capture = self.records, bool(self.capture_layers)
         images = image_pieces(plan) if self.encoder_cache is not None else []
-        eager = routed or capture or bool(images)
-        bucket = self.compiled.bucket_for(plan) if self.compiled is not None and not eager else 0
+        compiled = self.compiled is not None and records is None and not capture and not images
+        bucket = self.compiled.bucket_for(plan) if compiled else 0
         batch, rows, copies = self.prepare(plan, pad_to=bucket)
         if images:
             self.splice_images(batch, images)
-        if routed:
-            batch.routed_experts = {}
+        if records is not None:
+            batch.routed_experts = {} if records.experts is not None else None
+            batch.index_topk = {} if records.index_topk is not None else None
         if capture:
             batch.capture_layers, batch.captured = self.capture_layers, {}
             if self.replay_verify and any(c.verify for c in plan.chunks):
@@ -296,8 +309,8 @@ class ModelRunner:
         hidden = self.compiled(batch) if bucket else self.model(batch)
         for src, dst in copies:
             self.states.copy(src, dst)
-        if batch.routed_experts:
-            _record_routed_experts(plan, batch, rows)
+        if records is not None:
+            records.write(batch.cache.write_slots, batch.routed_experts, batch.index_topk)
         sample = self.model.logits(hidden[rows])
         prompt = {i: self.model.logits(hidden[batch.seq_slice(i)]) for i in prompt_logit_chunks(plan)}
         return StepLogits(sample, prompt), batch
@@ -341,18 +354,3 @@ def prompt_logit_chunks(plan: SchedulePlan) -> list[int]:
         for i, c in enumerate(plan.chunks)
         if c.request.params.prompt_logprobs is not None and c.start < len(c.request.prompt_ids)
     ]
-
-
-def _record_routed_experts(plan: SchedulePlan, batch: ForwardBatch, sample_rows: torch.Tensor) -> None:
-    """Append, per token sampled this step, the experts every MoE layer chose for the row that sampled it.
-
-    That row's input is the token before the sampled one, so a request's entry k holds the routing computed
-    when the token at position len(prompt) - 1 + k was the input (the convention routing replay needs).
-    """
-    sampling = [c.request for c in plan.chunks if c.samples]
-    if not any(req.routed_experts is not None for req in sampling):
-        return
-    per_layer = {layer: ids[sample_rows].tolist() for layer, ids in sorted(batch.routed_experts.items())}
-    for j, req in enumerate(sampling):
-        if req.routed_experts is not None:
-            req.routed_experts.append({layer: ids[j] for layer, ids in per_layer.items()})

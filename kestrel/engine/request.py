@@ -62,9 +62,12 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
-    # None unless asked for; else one entry per output token: MoE layer -> top-k expert ids chosen at the row
-    # that sampled it, i.e. when the token at position len(prompt_ids) - 1 + k was the input.
-    routed_experts: list[dict[int, list[int]]] | None = None
+    # Rollout capture (asked for per request, recorded for every token by the engine): read from the rollout
+    # records of the request's pages when it finishes, one row per token that went through the model.
+    return_routed_experts: bool = False
+    return_indexer_topk: bool = False
+    routed_experts: torch.Tensor | None = None  # [num_tokens - 1, MoE layers, top_k] int32
+    indexer_topk: torch.Tensor | None = None  # [num_tokens - 1, DSA layers, index_topk] int32, -1 padded
     spec: Any = None  # speculative decoding: the request's draft KV and acceptance lengths (kestrel.spec)
     # LoRA adapter by name (None: the base). Its cache keys are the token ids shifted by `cache_key_offset`, so
     # the prefix cache never hands one adapter's KV to another adapter or to the base.

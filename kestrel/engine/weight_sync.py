@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 # What a retracted request keeps: who it is and what it was asked; everything else is what it computed.
 _IDENTITY = frozenset({"request_id", "prompt_ids", "params", "arrival", "lora_name", "cache_key_offset"})
+_IDENTITY |= {"return_routed_experts", "return_indexer_topk"}  # asked for: the rerun captures too
 _IDENTITY |= {"num_computed_tokens", "num_preemptions"}  # counters of work done, kept for the statistics
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.attnres import attn_res_mix
 from kestrel.models.layers.kda import KDAAttention
 from kestrel.models.layers.mla import MLAAttention
@@ -47,7 +50,7 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if not self.is_moe:
             return self.mlp(x)
-        forced = batch.forced_experts.get(self.layer_id) if batch.forced_experts else None
+        forced = batch.replay.experts(self.layer_id) if batch.replay is not None else None
         out, ids = self.mlp(x, forced)
         if batch.routed_experts is not None:
             batch.routed_experts[self.layer_id] = ids
@@ -123,7 +126,11 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """Decoder + LM head (+ the vision tower and projector of a multimodal checkpoint, under its own names).
-    `forward` returns final hidden states; `logits` projects the rows you need (fp32)."""
+    `forward` returns final hidden states; `logits` projects the rows you need (fp32).
+
+    With `batch_invariant` set (`--deterministic-inference`, and a trainer's matching mode), both run in
+    `batch_invariant.mode()`: a row's result never depends on the rest of its batch, chunking or decode vs prefill.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -145,12 +152,18 @@ class CausalLM(nn.Module):
         features = self.mm_projector(self.vision_tower(pixel_values, grids))
         kh, kw = self.cfg.vision.merge_kernel
         return list(features.split([(h // kh) * (w // kw) for _, h, w in grids]))
+        self.batch_invariant = False
+
+    def _mode(self):
+        return batch_invariant.mode() if self.batch_invariant else contextlib.nullcontext()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+        with self._mode():
+            return self.model(batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        with self._mode():
+            return self.lm_head(hidden).float()
 
     @property
     def device(self) -> torch.device:

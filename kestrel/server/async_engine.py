@@ -45,7 +45,6 @@ class SeqDelta:
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    routed_experts: list[dict[int, list[int]]] | None = None
     finish_reason: str | None = None
     reset: bool = False  # the sequence was retracted: forget what earlier events sent, this one starts over
     weight_version: str | None = None
@@ -106,6 +105,7 @@ class _Add:
     restartable: bool = False  # the consumer takes `reset` deltas (else a retracted stream that sent text aborts)
     bootstrap: BootstrapTarget | None = None
     images: list | None = None  # the prompt's ProcessedImages (kestrel.models.vision)
+    indexer_topk: bool = False
 
 
 @dataclass
@@ -232,6 +232,7 @@ class AsyncEngine:
         restartable: bool = False,
         bootstrap: BootstrapTarget | None = None,
         images: list | None = None,
+        indexer_topk: bool = False,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -243,8 +244,9 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
+        now = time.monotonic()
         add = _Add(
-            stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, restartable, bootstrap, images
+            stream, prompt_ids, params, deltas, routed_experts, now, lora, restartable, bootstrap, images, indexer_topk
         )
         self._inbox.put(add)
         return stream
@@ -404,6 +406,7 @@ class AsyncEngine:
                 lora_name=cmd.lora,
                 bootstrap=cmd.bootstrap,
                 images=cmd.images,
+                return_indexer_topk=cmd.indexer_topk,
             )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))
@@ -588,7 +591,6 @@ class AsyncEngine:
                     text=req.output_text[c0:],
                     logprobs=req.logprobs[t0:] if with_lp else None,
                     top_logprobs=req.top_logprobs[t0:] if with_lp else None,
-                    routed_experts=req.routed_experts[t0:] if req.routed_experts is not None else None,
                     finish_reason=req.finish_reason if req.is_finished else None,
                     reset=track.reset[i],
                     weight_version=req.weight_version,

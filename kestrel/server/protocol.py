@@ -309,7 +309,11 @@ class GenerateRequest(_Body):
     return_logprob: Bool = False
     top_logprobs_num: Int = 0
     logprob_start_len: Int = -1  # -1: no input-token logprobs
-    return_routed_experts: Bool = False  # opt-in: a rollout that does not replay them should not pay for them
+    # Rollout capture (needs --enable-return-routed-experts / --enable-return-indexer-topk): base64 int32 rows of
+    # every token that went through the model, SGLang's encoding; routed_experts_start_len drops the first rows.
+    return_routed_experts: Bool = False
+    return_indexer_topk: Bool = False
+    routed_experts_start_len: Annotated[int, Strict(), Field(ge=0)] = 0
     lora_path: Str | list[Str | None] | None = None  # a loaded adapter's name (SGLang's field), per prompt in a batch
     rid: Rid | list[Rid] | None = None
     stream: Bool = False

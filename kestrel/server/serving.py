@@ -202,6 +202,7 @@ class Generation:
         restartable: bool = False,
         bootstraps: list[BootstrapTarget | None] | None = None,
         images: list[list[ProcessedImage] | None] | None = None,
+        indexer_topk: bool = False,
     ) -> None:
         self.engine = ctx.engine
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -224,6 +225,7 @@ class Generation:
                     restartable=restartable,
                     bootstrap=boot,
                     images=ims,
+                    indexer_topk=indexer_topk,
                 )
                 self.pending.add(rid)
         except QueueFull as exc:

@@ -68,7 +68,7 @@ class DFlashSpeculator:
     def block_len(self, req: Request, budget: int) -> int:
         """Tokens of the request's next verify block (1: decode it plainly this step)."""
         params = req.params
-        if req.matcher is not None or req.routed_experts is not None or req.spec is None:
+        if req.matcher is not None or req.return_routed_experts or req.return_indexer_topk or req.spec is None:
             return 1
         left = params.max_tokens - len(req.output_ids)
         return max(1, min(self.block, left, budget, self.max_model_len - req.computed_len))
