@@ -197,6 +197,32 @@ def cmd_train_dflash(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(args: argparse.Namespace) -> int:
+    import json
+
+    from kestrel.train.recipes import RL_RECIPES
+    from kestrel.train.rl import RLJob, run_rl, ship_adapter, summarize
+
+    recipe = RL_RECIPES[args.recipe]
+    config = dataclasses.replace(recipe.config)
+    for name in ("steps", "max_minutes"):
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    config.deterministic = args.deterministic_inference
+    check_device(args.device)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    out = args.out or f"out/rl-{args.recipe}"
+    job = RLJob(config, recipe.tasks, out, args.model or recipe.model, args.rollout_url or [], args.sync_url, device)
+    state = run_rl(job, args.nproc)
+    summary = summarize(state)
+    print(json.dumps(summary, indent=2))
+    root = Path(out)
+    print(f"adapter: {root / 'adapter'}; curves: {root / 'rl_curves.png'}; per step: {root / 'metrics.jsonl'}")
+    if args.ship:
+        print(f"shipped to {ship_adapter(job, state, args.recipe)}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.train.evaluate import eval_arithmetic, eval_tools
@@ -328,6 +354,34 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-minutes", type=float, default=None)
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default (model or draft)")
     tr.set_defaults(func=cmd_train)
+
+    from kestrel.train.recipes import RL_RECIPES
+
+    rl = add_command(sub, "rl", "GRPO: train a LoRA adapter on verifiable rewards, rollouts from engines over HTTP")
+    rl.add_argument("--recipe", default="mini", choices=list(RL_RECIPES))
+    rl.add_argument("--model", default=None, help="base checkpoint (default: the recipe's, the embedded kestrel-mini)")
+    rl.add_argument("--out", default=None, help="default: out/rl-RECIPE (resumes from it)")
+    rl.add_argument("--steps", type=int, default=None)
+    rl.add_argument("--max-minutes", type=float, default=None)
+    rl.add_argument("--nproc", type=int, default=1, help="data-parallel trainer ranks (one process each)")
+    rl.add_argument(
+        "--rollout-url",
+        nargs="+",
+        default=None,
+        help="engines or an sglang-router to send /generate to (default: start one `kestrel serve` here)",
+    )
+    rl.add_argument(
+        "--sync-url", nargs="+", default=None, help="engines that receive each adapter (default: the rollout URLs)"
+    )
+    rl.add_argument(
+        "--deterministic-inference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batch-invariant trainer (engines need --deterministic-inference too): train/rollout logprobs equal",
+    )
+    rl.add_argument("--device", default="cpu", help="trainer device: cpu, cuda, cuda:N or auto")
+    rl.add_argument("--ship", action="store_true", help="install the adapter as kestrel/assets/kestrel-mini-rl")
+    rl.set_defaults(func=cmd_rl)
 
     ev = add_command(sub, "eval", "held-out accuracy (default: the built-in model): arithmetic, tool calling, vision")
     ev.add_argument("model", nargs="?", default=None)
