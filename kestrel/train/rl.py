@@ -47,7 +47,7 @@ from kestrel.train.grpo import ClipConfig, LossTerms, group_advantages, informat
 from kestrel.train.lora import attach_trainable, new_adapter, save_adapter
 from kestrel.train.rl_curves import plot_curves
 from kestrel.train.rl_tasks import Prompt, TaskMix, score
-from kestrel.train.rollout_client import RolloutClient, adapter_checksum, check_versions, engine_process
+from kestrel.train.rollout_client import EngineProcess, RolloutClient, adapter_checksum, check_versions
 from kestrel.train.routing_replay import Rollout, sequence_logprobs
 
 log = logging.getLogger(__name__)
@@ -458,8 +458,8 @@ def run_rl(job: RLJob, nproc: int = 1, dist_timeout: float = 1800.0) -> RLState:
     from kestrel.config import load_model_config
 
     flags = engine_flags(job.config, load_model_config(job.model_path))
-    with engine_process(job.model, flags, out / "engine.log", job.config.threads) as url:
-        return _train(replace(job, rollout_urls=[url]), nproc, dist_timeout)
+    with EngineProcess(job.model, flags, out / "engine.log", job.config.threads) as engine:
+        return _train(replace(job, rollout_urls=[engine.url]), nproc, dist_timeout)
 
 
 def _train(job: RLJob, nproc: int, dist_timeout: float) -> RLState:

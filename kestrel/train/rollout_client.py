@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -106,33 +106,41 @@ def check_versions(results: list[list[dict[str, Any]]], version: str, checksum: 
                 raise RolloutError(f"rollout {meta.get('id')} ran on adapter {got}, expected {(version, checksum)}")
 
 
-@contextlib.contextmanager
-def engine_process(
-    model: str | None, flags: Sequence[str], log_path: Path, threads: int = 1, timeout: float = 300.0
-) -> Iterator[str]:
-    """`kestrel serve MODEL FLAGS` on 127.0.0.1 at a free port; yields its URL once /health answers, stops it with
-    SIGINT afterwards (a clean exit is code 0)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kestrel.cli", "serve", *([model] if model else []), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--num-threads", str(threads), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
+class EngineProcess:
+    """`kestrel serve MODEL FLAGS` on 127.0.0.1 at a free port, as a context manager: `url` once /health answers;
+    on exit it is stopped with SIGINT and `returncode` says how it ended (0: a clean stop)."""
+
+    def __init__(
+        self, model: str | None, flags: Sequence[str], log_path: Path, threads: int = 1, timeout: float = 300.0
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "kestrel.cli", "serve", *([model] if model else []), "--host", "127.0.0.1"]
+        self.cmd += ["--port", str(self.port), "--num-threads", str(threads), *flags]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.log_path, self.timeout = log_path, timeout
+        self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None
+
+    def __enter__(self) -> EngineProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + self.timeout
         while True:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text()[-3000:]
-                raise RolloutError(f"rollout engine did not start; its log ({log_path}):\n{tail}")
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    log.info("rollout engine at %s (log: %s)", self.url, self.log_path)
+                    return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log_path.read_text()[-3000:]
+                raise RolloutError(f"rollout engine did not start; its log ({self.log_path}):\n{tail}")
             time.sleep(0.2)
-        log.info("rollout engine at %s (log: %s)", url, log_path)
-        yield url
-    finally:
+
+    def stop(self) -> int:
+        """SIGINT (uvicorn's clean shutdown), a kill after 60 s; the exit code."""
+        proc = self.proc
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -140,5 +148,9 @@ def engine_process(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if proc.returncode not in (0, None):
-            log.warning("rollout engine exited with code %s (log: %s)", proc.returncode, log_path)
+        self.returncode = proc.returncode
+        return self.returncode
+
+    def __exit__(self, *exc) -> None:
+        if self.stop() != 0:
+            log.warning("rollout engine exited with code %s (log: %s)", self.returncode, self.log_path)
