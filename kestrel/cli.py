@@ -197,23 +197,35 @@ def cmd_train_dflash(args: argparse.Namespace) -> int:
     return 0
 
 
+RL_OVERRIDES = ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "lr", "seed", "eval_every")
+RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
+RL_OVERRIDES += RL_CLIP_OVERRIDES
+
+
 def cmd_rl(args: argparse.Namespace) -> int:
     import json
 
     from kestrel.train.recipes import RL_RECIPES
     from kestrel.train.rl import RLJob, run_rl, ship_adapter, summarize
+    from kestrel.train.rollout_client import RolloutError
 
     recipe = RL_RECIPES[args.recipe]
-    config = dataclasses.replace(recipe.config)
-    for name in ("steps", "max_minutes"):
-        if getattr(args, name) is not None:
-            setattr(config, name, getattr(args, name))
+    overrides = {k: v for k, v in vars(args).items() if k in RL_OVERRIDES and v is not None}
+    clip = {k: overrides.pop(k) for k in list(overrides) if k in RL_CLIP_OVERRIDES}
+    config = dataclasses.replace(recipe.config, **overrides, clip=dataclasses.replace(recipe.config.clip, **clip))
     config.deterministic = args.deterministic_inference
+    for url in (args.rollout_url or []) + (args.sync_url or []):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--rollout-url/--sync-url: {url!r} is not an http(s):// URL")
     check_device(args.device)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or f"out/rl-{args.recipe}"
     job = RLJob(config, recipe.tasks, out, args.model or recipe.model, args.rollout_url or [], args.sync_url, device)
-    state = run_rl(job, args.nproc)
+    try:
+        state = run_rl(job, args.nproc)
+    except RolloutError as exc:  # an engine refused a request, did not start, or served another adapter version
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     summary = summarize(state)
     print(json.dumps(summary, indent=2))
     root = Path(out)
@@ -362,7 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--model", default=None, help="base checkpoint (default: the recipe's, the embedded kestrel-mini)")
     rl.add_argument("--out", default=None, help="default: out/rl-RECIPE (resumes from it)")
     rl.add_argument("--steps", type=int, default=None)
-    rl.add_argument("--max-minutes", type=float, default=None)
+    rl.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this much wall time")
+    rl.add_argument("--prompts-per-step", type=int, default=None, help="groups per step")
+    rl.add_argument("--samples-per-prompt", type=int, default=None, help="GRPO's group size n")
+    rl.add_argument("--lr", type=float, default=None)
+    rl.add_argument("--seed", type=int, default=None, help="prompts and sampling seeds")
+    rl.add_argument("--eval-every", type=int, default=None, help="held-out accuracy every N steps (0: never)")
+    rl.add_argument("--clip-low", type=float, default=None, help="PPO clip below: ratio >= 1 - clip_low")
+    rl.add_argument("--clip-high", type=float, default=None, help="PPO clip above: ratio <= 1 + clip_high")
+    rl.add_argument("--tis-cap", type=float, default=None, help="truncated importance weights: min(w, cap)")
+    rl.add_argument("--kl-coef", type=float, default=None, help="k3 KL to the base in the loss (0: off)")
     rl.add_argument("--nproc", type=int, default=1, help="data-parallel trainer ranks (one process each)")
     rl.add_argument(
         "--rollout-url",

@@ -10,6 +10,8 @@ import json
 import math
 import os
 import random
+import re
+import shutil
 import time
 
 import httpx
@@ -20,18 +22,20 @@ from dist_harness import spawn_ranks
 
 from kestrel.chat_template import render_tool_calls
 from kestrel.cli import main
-from kestrel.config import load_model_config
+from kestrel.config import ConfigError, load_model_config
 from kestrel.dist.groups import ParallelLayout, single_groups
-from kestrel.dist.launch import RankFailure
+from kestrel.dist.launch import RankFailure, free_port
 from kestrel.models.checkpoint import make_model
+from kestrel.models.loader import load_model
 from kestrel.models.lora import load_peft
 from kestrel.spec.draft import weights_sha256
 from kestrel.train.data import arithmetic_episode, tool_episode
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
-from kestrel.train.rl import SUMMARY_FILE, GRPOTrainer, RLJob, run_rl, ship_adapter, train_rank
+from kestrel.train.rl import SUMMARY_FILE, GRPOTrainer, RLJob, check_config, run_rl, ship_adapter, train_rank
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
 from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum
+from kestrel.train.routing_replay import sequence_logprobs
 
 TINY = RL_RECIPES["tiny"]
 
@@ -64,6 +68,25 @@ def test_policy_loss_clips_low_and_high_separately_and_truncates_importance_weig
     terms.loss.backward()
     # Clipped tokens pass no gradient; the others: -tis · A · ratio.
     assert torch.allclose(logp.grad, torch.tensor([0.0, 0.0, -0.5 * 2.0 * 1.1, -1.0 * 1.0 * 0.5]), atol=1e-5)
+
+
+def test_policy_loss_equals_a_token_by_token_ppo_reference():
+    """PPO's own form, -min(r·A, clip(r)·A), one token at a time in float64, against the vectorised loss."""
+    gen = torch.Generator().manual_seed(3)
+    n, cfg = 300, ClipConfig(clip_low=0.1, clip_high=0.3, tis_cap=1.5, kl_coef=0.2)
+    old = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+    logp, rollout, ref = (old + torch.randn(n, generator=gen, dtype=torch.float64) * 0.3 for _ in range(3))
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    total, clipped = 0.0, 0
+    for i in range(n):
+        r, a = math.exp(logp[i] - old[i]), adv[i].item()
+        capped = min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high)
+        clipped += capped * a < r * a
+        weight = min(math.exp(old[i] - rollout[i]), cfg.tis_cap)
+        d = ref[i].item() - logp[i].item()
+        total += weight * -min(r * a, capped * a) + cfg.kl_coef * (math.exp(d) - d - 1)
+    terms = policy_loss(logp, old, rollout, adv, cfg, ref)
+    assert terms.loss.item() == pytest.approx(total, rel=1e-12) and terms.clipped == clipped > 0
 
 
 def test_kl_to_the_reference_is_k3_and_joins_the_loss_with_its_coefficient():
@@ -109,7 +132,7 @@ def engine(tiny, tmp_path_factory):
     flags = engine_flags(TINY.config, load_model_config(tiny))
     with EngineProcess(tiny, flags, tmp_path_factory.mktemp("engine") / "engine.log") as proc:
         yield proc.url
-    assert proc.returncode == 0
+    assert proc.returncode == 0 and "Traceback" not in proc.log_path.read_text()  # SIGINT: a clean stop
 
 
 def _job(tiny, engine, out, name, steps=3, tasks=PARITY_TASKS) -> RLJob:
@@ -139,7 +162,12 @@ def test_every_step_has_bit_identical_logprobs_and_rollouts_on_the_adapter_just_
         assert row["adapter_version"] == str(i)  # what every rollout's meta_info said (checked in the step)
         assert row["rollout_tok_per_s"] > 0 and row["train_tok_per_s"] > 0
     assert any(row["ppo_kl"] != 0.0 for row in state.history)  # the second minibatch ran one step later
+    assert any(row["clip_frac"] > 0 for row in state.history)  # lr 2e-2: some ratios leave [0.8, 1.28]
+    assert all(row["ref_k3"] >= 0 for row in state.history) and state.history[-1]["ref_k3"] > 0  # moved off base
     assert [h["step"] for h in state.held_out] == [0, 2, 3]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3] and "held_out/parity/parity" in logged[1]
+    assert logged[2]["held_out/parity/parity"] == state.held_out[-1]["parity/parity"]
     # The engine serves the last version pushed, the bytes of the saved adapter.
     served = httpx.get(engine + "/get_server_info").json()["lora_adapters"]["straight"]
     assert (served["lora_version"], served["checksum"]) == ("3", adapter_checksum(out / "adapter"))
@@ -162,10 +190,31 @@ def test_a_rollout_on_another_adapter_version_stops_the_step(tiny, engine, tmp_p
     trainer.client.close()
 
 
+def test_the_reference_pass_is_the_base_and_the_policy_pass_is_the_engine(tiny, engine, tmp_path, three_steps):
+    shutil.copytree(three_steps[2], tmp_path, dirs_exist_ok=True)  # resumes with the trained adapter
+    trainer = GRPOTrainer(_job(tiny, engine, tmp_path, "probe", steps=4), single_groups())
+    assert trainer.state.step == 3
+    trainer.push()
+    batch = [(r, 0.0) for group in trainer.rollouts(trainer.prompts(3), [0, 1], 3) for r, _ in group]
+    base, _ = load_model(tiny, torch.float32)
+    base.batch_invariant = True
+    base.train()
+    with torch.no_grad():
+        expected = torch.cat(sequence_logprobs(base, [r for r, _ in batch]))
+        ref, policy = trainer._reference(batch), trainer._logprobs(batch)
+    trainer.client.close()
+    assert torch.equal(ref, expected)  # the adapter switched off: exactly the base
+    engine_lp = torch.tensor([lp for r, _ in batch for lp in r.logprobs], dtype=policy.dtype)
+    assert torch.equal(policy, engine_lp) and not torch.equal(policy, ref)  # the adapter is on, as on the engine
+
+
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny, engine, tmp_path, three_steps):
     _, straight, straight_out = three_steps
-    train_rank(single_groups(), _job(tiny, engine, tmp_path, "resumed", steps=2))
+    first = train_rank(single_groups(), _job(tiny, engine, tmp_path, "resumed", steps=2))
+    assert [r["step"] for r in first.history] == [1, 2]
     state = train_rank(single_groups(), _job(tiny, engine, tmp_path, "resumed", steps=3))
+    assert [r["step"] for r in state.history] == [1, 2, 3] and state.step == 3  # the count went on from 2
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
     assert [r["reward"] for r in state.history] == [r["reward"] for r in straight.history]
     mine, ref = _adapter(tmp_path), _adapter(straight_out)
     assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
@@ -207,5 +256,54 @@ def test_cli_rl_starts_its_own_engine_trains_and_stops_it(tiny, tmp_path, capsys
     assert main(["rl", "--recipe", "tiny", "--model", tiny, "--steps", "1", "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.split("\nadapter: ")[0])
     assert summary["steps"] == 1 and summary["train_rollout_logprob_abs_diff_max"] == 0.0
-    assert "Finished server process" in (out / "engine.log").read_text()  # stopped cleanly (SIGINT)
+    log = (out / "engine.log").read_text()
+    assert "Finished server process" in log and "Traceback" not in log  # stopped cleanly (SIGINT)
     assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "trainer_state.pt").exists()
+
+
+def test_cli_rl_trains_against_the_engines_it_is_given(tiny, engine, tmp_path, capsys):
+    out = tmp_path / "given"
+    argv = ["rl", "--recipe", "tiny", "--model", tiny, "--rollout-url", engine, "--out", str(out), "--steps", "1"]
+    assert main([*argv, "--eval-every", "0", "--kl-coef", "0", "--samples-per-prompt", "3"]) == 0
+    saved = json.loads((out / "rl_config.json").read_text())
+    assert (saved["steps"], saved["eval_every"], saved["samples_per_prompt"], saved["clip"]["kl_coef"]) == (1, 0, 3, 0)
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["ref_k3"] is None and row["train_rollout_logprob_abs_diff"] == 0.0
+    assert not (out / "engine.log").exists()  # no engine of its own
+
+
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        ({"samples_per_prompt": 1}, "samples_per_prompt"),
+        ({"minibatches": 5}, "minibatches"),
+        ({"lr": 0.0}, "lr"),
+        ({"clip": ClipConfig(clip_low=1.0)}, "clip.clip_low"),
+        ({"clip": ClipConfig(tis_cap=0.5)}, "clip.tis_cap"),
+        ({"clip": ClipConfig(kl_coef=-1.0)}, "clip.kl_coef"),
+        ({"lora_targets": ()}, "lora_targets"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(change, name):
+    with pytest.raises(ConfigError, match=f"'{re.escape(name)}'"):
+        check_config(dataclasses.replace(TINY.config, **change))
+
+
+def test_cli_rl_refuses_bad_options_before_starting_an_engine(tiny, tmp_path, capsys):
+    out = tmp_path / "bad"
+    base = ["rl", "--recipe", "tiny", "--model", tiny, "--out", str(out)]
+    for argv, named in [
+        (["--samples-per-prompt", "1"], "'samples_per_prompt'"),
+        (["--clip-low", "1.5"], "'clip.clip_low'"),
+        (["--nproc", "0"], "nproc"),
+        (["--nproc", "5"], "nproc"),
+        (["--rollout-url", "localhost:30000"], "--rollout-url"),
+        (["--device", "cuda:7"], "device"),
+    ]:
+        assert main(base + argv) == 2, argv
+        assert named in capsys.readouterr().err, argv
+    assert not (out / "engine.log").exists()
+    # An engine that does not answer: the URL named, exit 1, no traceback.
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    assert main([*base, "--rollout-url", nowhere, "--steps", "1"]) == 1
+    assert nowhere in capsys.readouterr().err

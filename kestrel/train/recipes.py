@@ -214,6 +214,7 @@ RL_RECIPES = {
             minibatches=2,
             max_new_tokens=8,
             lr=2e-2,
+            clip=ClipConfig(kl_coef=0.05),  # exercises the reference pass (the base: the adapter switched off)
             lora_rank=4,
             lora_alpha=8.0,
             lora_targets=("q_proj", "o_proj", "gate_proj"),

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from kestrel.config import ConfigError, load_model_config
 from kestrel.dist import comm
 from kestrel.dist.groups import Groups, ParallelLayout, single_groups
 from kestrel.dist.launch import run_ranks
@@ -77,6 +78,42 @@ class RLConfig:
     deterministic: bool = True  # batch-invariant trainer + --deterministic-inference engines: zero mismatch
     adapter_name: str = "policy"
     threads: int = 1  # torch threads of each trainer rank (and of the engine the recipe starts)
+
+
+def check_config(cfg: RLConfig, nproc: int = 1) -> None:
+    """Refuse settings the loop cannot run, naming the field (before an engine starts or a rank spawns)."""
+
+    def need(ok: bool, name: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"rl config field {name!r}: {why} (got {_field(cfg, name)!r})")
+
+    for name in ("steps", "prompts_per_step", "minibatches", "max_new_tokens", "micro_batch_tokens", "save_every"):
+        need(getattr(cfg, name) >= 1, name, "must be >= 1")
+    need(cfg.samples_per_prompt >= 2, "samples_per_prompt", "must be >= 2 (advantages are normalised in the group)")
+    need(cfg.minibatches <= cfg.prompts_per_step, "minibatches", "must be <= prompts_per_step (groups are split)")
+    need(cfg.lr > 0, "lr", "must be > 0")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(cfg.grad_clip > 0, "grad_clip", "must be > 0")
+    need(0 <= cfg.clip.clip_low < 1, "clip.clip_low", "must be in [0, 1)")
+    need(cfg.clip.clip_high >= 0, "clip.clip_high", "must be >= 0")
+    need(cfg.clip.tis_cap >= 1, "clip.tis_cap", "must be >= 1 (a weight of 1 means the engine and trainer agree)")
+    need(cfg.clip.kl_coef >= 0, "clip.kl_coef", "must be >= 0")
+    need(cfg.lora_rank >= 1, "lora_rank", "must be >= 1")
+    need(len(cfg.lora_targets) > 0, "lora_targets", "must name at least one projection")
+    need(cfg.eval_every >= 0, "eval_every", "must be >= 0 (0: never)")
+    need(cfg.eval_n >= 1, "eval_n", "must be >= 1")
+    need(cfg.max_minutes is None or cfg.max_minutes > 0, "max_minutes", "must be > 0")
+    need(cfg.threads >= 1, "threads", "must be >= 1")
+    need(bool(cfg.adapter_name) and "/" not in cfg.adapter_name, "adapter_name", "must be a non-empty name")
+    if nproc < 1 or nproc > cfg.prompts_per_step:
+        raise ConfigError(f"nproc: {nproc} data-parallel ranks; need 1 .. prompts_per_step ({cfg.prompts_per_step})")
+
+
+def _field(cfg: RLConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 @dataclass
@@ -141,6 +178,7 @@ class GRPOTrainer:
     """One rank's trainer: the model with its adapter, the optimizer, the engines' client."""
 
     def __init__(self, job: RLJob, groups: Groups) -> None:
+        check_config(job.config, groups.world.size)
         self.job, self.cfg, self.groups = job, job.config, groups
         self.rank, self.world = groups.rank, groups.world.size
         self.out = Path(job.out)
@@ -378,20 +416,27 @@ class GRPOTrainer:
         right = [correct(p.episode, texts[i]) for i, (_, p, correct, _) in enumerate(cases)]
         return score([key for key, *_ in cases], right)
 
-    def _evaluate_all_ranks(self) -> None:
+    def _evaluate_all_ranks(self) -> dict[str, float]:
+        """Rank 0 evaluates (the others wait); its scores, recorded in the state (empty on other ranks)."""
+        scores: dict[str, float] = {}
         if self.rank == 0 and self.job.tasks.held_out:
             scores = self.evaluate()
             self.state.held_out.append({"step": self.state.step} | scores)
             log.info("held-out at step %d: %s", self.state.step, scores)
         _barrier(self.groups, self.device)
+        return scores
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def train(self) -> RLState:
         cfg = self.cfg
         start = time.perf_counter() - self.state.seconds
         self.push()
-        if not self.state.held_out and cfg.eval_every:
+        # The step of the last evaluation, the same on every rank (only rank 0 records scores): resumed from the
+        # saved state, which every rank loads.
+        evaluated_at = self.state.held_out[-1]["step"] if self.state.held_out else None
+        if evaluated_at is None and cfg.eval_every:
             self._evaluate_all_ranks()  # step 0: the base (the adapter starts at zero)
+            evaluated_at = self.state.step
         quiet = self.rank != 0 or not self.job.progress
         bar = tqdm(total=cfg.steps, initial=self.state.step, desc="grpo", dynamic_ncols=True, disable=quiet)
         metrics = (self.out / "metrics.jsonl").open("a") if self.rank == 0 else None
@@ -407,8 +452,9 @@ class GRPOTrainer:
                 row["minutes"] = self.state.seconds / 60
                 self.state.history.append(row)
                 self.push()
-                if cfg.eval_every and self.state.step % cfg.eval_every == 0:
-                    self._evaluate_all_ranks()
+                if cfg.eval_every and (self.state.step % cfg.eval_every == 0 or self.state.step == cfg.steps):
+                    row |= {f"held_out/{k}": v for k, v in self._evaluate_all_ranks().items()}
+                    evaluated_at = self.state.step
                 if metrics is not None:
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
@@ -421,7 +467,7 @@ class GRPOTrainer:
                 bar.update(1)
                 if self.state.step % cfg.save_every == 0:
                     self.save()
-            if cfg.eval_every and (not self.state.held_out or self.state.held_out[-1]["step"] != self.state.step):
+            if cfg.eval_every and evaluated_at != self.state.step:  # stopped by the time budget
                 self._evaluate_all_ranks()
             self.state.seconds = time.perf_counter() - start
             self.save()
@@ -451,11 +497,11 @@ def _follow(groups: Groups, job: RLJob) -> None:
 def run_rl(job: RLJob, nproc: int = 1, dist_timeout: float = 1800.0) -> RLState:
     """Start an engine unless `job.rollout_urls` names some, then train on `nproc` data-parallel ranks (one process
     each, spawned as `kestrel serve --tp` spawns its ranks; gloo on CPU, NCCL on CUDA; a rank that dies stops all)."""
+    check_config(job.config, nproc)
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     if job.rollout_urls:
         return _train(job, nproc, dist_timeout)
-    from kestrel.config import load_model_config
 
     flags = engine_flags(job.config, load_model_config(job.model_path))
     with EngineProcess(job.model, flags, out / "engine.log", job.config.threads) as engine:

@@ -56,7 +56,10 @@ class RolloutClient:
         self.http.close()
 
     def _post(self, url: str, path: str, body: dict[str, Any]) -> Any:
-        resp = self.http.post(url + path, json=body)
+        try:
+            resp = self.http.post(url + path, json=body)
+        except httpx.TransportError as exc:
+            raise RolloutError(f"{url}{path}: no answer ({type(exc).__name__}: {exc})") from None
         if resp.status_code != 200:
             raise RolloutError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp.json()
