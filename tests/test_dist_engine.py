@@ -8,7 +8,7 @@ import torch
 from dist_harness import spawn_ranks
 
 from kestrel import LLM, SamplingParams
-from kestrel.dist import dcp
+from kestrel.dist import dcp, pcp
 from kestrel.dist.groups import ParallelLayout
 
 FAMILIES = ["kimi_linear", "deepseek_v32", "kimi_k3"]
@@ -34,9 +34,9 @@ def run_scenario(llm: LLM, seed: int = 0) -> dict:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     outs = llm.generate(first, params, use_tqdm=False) + llm.generate(second, params, use_tqdm=False)
     engine = llm.engine
-    kv = engine.runner.kv
+    latent = next(iter(engine.runner.kv.latent.values()), None)  # None: rank 0's pipeline stage has no MLA layer
     result = {
-        "kv_rows_per_page": next(iter(kv.latent.values())).shape[0] // (engine.runner.scratch_page + 1),
+        "kv_rows_per_page": None if latent is None else latent.shape[0] // (engine.runner.scratch_page + 1),
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [o.outputs[0].logprobs for o in outs],
         "cached": sum(o.outputs[0].cached_tokens for o in outs[len(first) :]),
@@ -65,8 +65,9 @@ def _rank(groups, paths: dict[str, str], engine_args: dict) -> dict | None:
             continue
         try:
             dcp.TOTALS.clear()
+            pcp.TOTALS.clear()
             out[family] = run_scenario(LLM(path, **engine_args))
-            out[family]["dcp"] = dict(dcp.TOTALS)
+            out[family]["dcp"], out[family]["pcp"] = dict(dcp.TOTALS), dict(pcp.TOTALS)
         finally:
             release_followers()
     return out if groups.rank == 0 else None

@@ -23,7 +23,8 @@ from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
 from kestrel.dist.dp_scheduler import dp_scheduling
 from kestrel.dist.engine_ranks import engine_groups
-from kestrel.dist.runner import DistModelRunner
+from kestrel.dist.pp import stage_configs
+from kestrel.dist.runner import DistModelRunner, unsupported_layout
 from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
@@ -115,7 +116,11 @@ class Engine:
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         num_slots = self._num_slots()
-        self.kv_bytes_per_token = kv_bytes_per_token(cfg, DTYPES[config.dtype], config.kv_cache_dtype) // config.dcp
+        # Per rank: DCP shards every page's tokens; pipeline stages hold their layers' pools only (the fullest one
+        # bounds the pool every stage allocates).
+        views = [cfg] if self.groups is None else stage_configs(cfg, self.groups.layout)
+        kv_dtype, kv_format = DTYPES[config.dtype], config.kv_cache_dtype
+        self.kv_bytes_per_token = max(kv_bytes_per_token(v, kv_dtype, kv_format) for v in views) // config.dcp
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers
@@ -263,10 +268,11 @@ class Engine:
             raise ValueError(f"prompt: token ids must be ints in [0, {self.model_config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is longer than the context ({self.max_model_len - 1} max)")
-        if self.groups is not None and self.groups.layout.dp_attn > 1:  # see DistModelRunner.execute
-            if params.prompt_logprobs is not None or return_routed_experts:
-                field = "prompt_logprobs" if params.prompt_logprobs is not None else "return_routed_experts"
-                raise ValueError(f"{field}: not supported with attention DP (--dp-attn > 1) yet")
+        lay = self.groups.layout if self.groups is not None else None
+        if lay is not None and (lay.dp_attn > 1 or lay.pp > 1 or lay.pcp > 1):  # see DistModelRunner.execute
+            if return_routed_experts or (params.prompt_logprobs is not None and lay.dp_attn > 1):
+                field = "return_routed_experts" if return_routed_experts else "prompt_logprobs"
+                raise ValueError(f"{field}: {unsupported_layout(lay)}")
         if lora_name is not None and lora_name not in self._lora_key:
             off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
             raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")

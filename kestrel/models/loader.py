@@ -10,7 +10,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +110,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> None:
+def load_weights(
+    model: CausalLM, path: str | Path, progress: bool = True, skip: Callable[[str], bool] | None = None
+) -> None:
     """Stream every tensor of the checkpoint into `model`; raise one error listing all problems.
 
-    A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0).
+    A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0);
+    `skip` names checkpoint tensors the model does not hold (a pipeline stage's: other stages' layers).
     """
     path = Path(path)
     files = checkpoint_files(path)
@@ -133,6 +136,8 @@ def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> No
                 for ckpt_name in f.keys():
                     if (m := _LAYER.match(ckpt_name)) and int(m.group(1)) >= n_layers:
                         continue  # e.g. DeepSeek's multi-token-prediction layer: not part of the decoder
+                    if skip is not None and skip(ckpt_name):
+                        continue
                     name, shard = map_checkpoint_name(ckpt_name, fused)
                     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                         continue
