@@ -133,6 +133,7 @@ def split_step(inputs: StepInputs, decode_rows: int, layout: ParallelLayout, ran
         for s in segments_of(i, inputs.extend_lens[i], inputs.snapshots[i], world, layout.pcp_split, layout.pcp_block)
     ]
     TOTALS.update(prefills=len(seqs), segments=len(segments))
+    TOTALS["longest_segment"] = max([TOTALS["longest_segment"], *(s.length for s in segments)])
     kv_slots, segment_rows = [], {}
     for r in range(world):
         slots, row = [], decode_rows

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +36,8 @@ ENV_PARTITION = "KESTREL_PP_LAYER_PARTITION"
 PARTITION_FLAG = "--pp-partition (or KESTREL_PP_LAYER_PARTITION)"
 TAG_RESIDUAL, TAG_LOGITS = 1, 2
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Running totals of this process's pipeline work: steps, micro-batches, and prefill chunks cut across micro-batches.
+TOTALS: Counter[str] = Counter()
 
 
 # -- the layer partition -------------------------------------------------------------------------------------
@@ -48,9 +51,12 @@ def parse_partition(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
-def configured_partition(flag: str | None) -> tuple[int, ...] | None:
-    """The flag's partition, else the environment's (KESTREL_PP_LAYER_PARTITION, SGLang's variable)."""
-    return parse_partition(flag if flag else os.environ.get(ENV_PARTITION))
+def configured_partition(flag: str | None, pp: int) -> tuple[int, ...] | None:
+    """The flag's partition, else (with pipeline stages) the environment's: KESTREL_PP_LAYER_PARTITION, as SGLang's
+    SGLANG_PP_LAYER_PARTITION, which a one-stage engine ignores."""
+    if flag:
+        return parse_partition(flag)
+    return parse_partition(os.environ.get(ENV_PARTITION)) if pp > 1 else None
 
 
 # -- one stage's part of the model ---------------------------------------------------------------------------
@@ -173,6 +179,7 @@ def micro_batches(inputs: StepInputs, count: int) -> list[MicroBatch]:
             if a >= b:
                 continue
             off = a - s
+            TOTALS["cut_chunks"] += b < s + n  # the rest of this chunk runs in the next micro-batch
             snaps = [(m - off, slot) for m, slot in zip(inputs.snapshots[i], inputs.snapshot_slots[i]) if off < m <= b - s]
             piece.add(
                 inputs.ids[a:b],
@@ -235,6 +242,7 @@ def run_step(runner: DistModelRunner, msg: StepMessage) -> tuple[StepLogits | No
     first, last = stage == 0, stage == lay.pp - 1
     layers = stage_layers(model, lay, stage)
     pieces = micro_batches(inputs, lay.pp_micro_batches or lay.pp)
+    TOTALS.update(steps=1, micro_batches=len(pieces))
     works, finals, batch = [], [], None
     for piece in pieces:
         batch = build_piece(runner, piece)

@@ -172,7 +172,7 @@ class EngineConfig:
             dcp_merge=self.dcp_merge,
             pcp_split=self.pcp_split,
             pcp_block=self.pcp_block,
-            pp_partition=configured_partition(self.pp_partition),
+            pp_partition=configured_partition(self.pp_partition, self.pp),
             pp_micro_batches=self.pp_micro_batches,
         )
 
