@@ -114,10 +114,9 @@ def _engine_args(layout: ParallelLayout, dispatch: str) -> dict:
         (ParallelLayout(tp=4, dcp=2, dcp_interleave=2), "allgather", FAMILIES),
         # Prefill context parallelism: every 7-token chunk split in 3-token round-robin blocks (and cut at KDA
         # checkpoints). Pipeline stages of 3 + 1 layers (kimi_k3: an AttnRes bank crosses), chunks cut over 2
-        # micro-batches; with TP 2 inside each stage.
+        # micro-batches. PP x PCP: test_prefill_context_and_pipeline_parallel_long_prompts_match_single_process.
         (ParallelLayout(pcp=2, pcp_split="roundrobin", pcp_block=3), "allgather", FAMILIES),
         (ParallelLayout(pp=2, pp_partition=(3, 1)), "allgather", FAMILIES),
-        (ParallelLayout(tp=2, pp=2), "allgather", ("kimi_k3",)),
     ],
     ids=[
         "tp2",
@@ -128,7 +127,6 @@ def _engine_args(layout: ParallelLayout, dispatch: str) -> dict:
         "tp4-dcp2-inter2",
         "pcp2-roundrobin",
         "pp2-partition-3-1",
-        "pp2-tp2",
     ],
 )
 def test_parallel_engine_matches_single_process(layout, dispatch, families, tiny_checkpoints, single_process):
@@ -161,21 +159,30 @@ def long_scenario(llm: LLM) -> dict:
     first = [torch.randint(3, 259, (n,), generator=gen).tolist() for n in (144, 170, 201, 220)]
     second = [p + torch.randint(3, 259, (9,), generator=gen).tolist() for p in first[1:3]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    outs = llm.generate(first, params, use_tqdm=False) + llm.generate(second, params, use_tqdm=False)
+    with_prompt = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    outs = llm.generate(first[:3], params, use_tqdm=False) + llm.generate(first[3:], with_prompt, use_tqdm=False)
+    outs += llm.generate(second, params, use_tqdm=False)
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [o.outputs[0].logprobs for o in outs],
+        "prompt_logprobs": [lp for lp in outs[3].prompt_logprobs if lp is not None],
         "cached": [o.outputs[0].cached_tokens for o in outs[len(first) :]],
     }
 
 
-def test_prefill_context_parallel_long_prompts_match_single_process(tiny_checkpoints):
+def test_prefill_context_and_pipeline_parallel_long_prompts_match_single_process(tiny_checkpoints):
+    """PCP 2 inside each of 2 pipeline stages, zigzag split; one request asks for prompt logprobs (its every row
+    gathered from the rank that computed it, then sent from the last stage)."""
     paths = {fam: str(tiny_checkpoints[fam]) for fam in ("kimi_k3",)}
     want = {fam: long_scenario(LLM(path, **LONG_ARGS)) for fam, path in paths.items()}
-    got = spawn_ranks(_rank, ParallelLayout(pcp=2), paths, LONG_ARGS | dict(pcp=2), long_scenario)[0]
+    layout = ParallelLayout(pcp=2, pp=2)
+    got = spawn_ranks(_rank, layout, paths, LONG_ARGS | dict(pcp=2, pp=2), long_scenario)[0]
     for fam in paths:
         assert got[fam]["tokens"] == want[fam]["tokens"]
         for a, b in zip(got[fam]["logprobs"], want[fam]["logprobs"]):
             assert a == pytest.approx(b, abs=1e-4)
+        got_prompt, want_prompt = got[fam]["prompt_logprobs"], want[fam]["prompt_logprobs"]
+        assert len(want_prompt) == 219 and [x.token_id for x in got_prompt] == [x.token_id for x in want_prompt]
+        assert [x.logprob for x in got_prompt] == pytest.approx([x.logprob for x in want_prompt], abs=1e-4)
         assert got[fam]["cached"] == want[fam]["cached"] and min(want[fam]["cached"]) >= 128  # prefix-cache hits
         assert got[fam]["pcp"]["longest_segment"] > 64 and got[fam]["pcp"]["kda_layers"] > 0
