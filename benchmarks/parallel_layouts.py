@@ -8,7 +8,8 @@ handed to collectives and point-to-point sends (counted in `kestrel.dist.comm`, 
 model's all-reduce / all-gather / all-to-all, PCP's all-gathered keys, halos and state maps, PP's residual sends).
 Under PP rank 0 is stage 0 (half the layers; the other stage holds the rest, tests/test_dist_plan.py); under PCP
 every rank holds the whole model. The closing table sets `kestrel plan`'s DCP8 vs TP8 full-context figure for
-K3.1 Pro beside what the engine allocates per rank for this small model under TP4·DCP4 vs TP4. On a 2-core machine
+K3.1 Pro beside what the engine allocates per rank for the tiny kimi_k3 (its heads split 4 ways) under TP4·DCP4
+vs TP4. On a 2-core machine
 speed-ups are not expected: memory per rank and bytes per step are the figures; time ratios to one process are
 printed for completeness.
 
@@ -39,10 +40,11 @@ LAYOUTS = {
     "TP2·EP2": dict(tp=2, ep=2),
     "DP-attn2·TP2": dict(tp=2, dp_attn=2),
     "PCP2": dict(pcp=2),
-    "PP2": dict(pp=2),
-    "TP4": dict(tp=4),
-    "TP4·DCP4": dict(tp=4, dcp=4),
+    "PP2": dict(pp=2),  # each step cut into 2 micro-batches: the stages overlap
+    "PP2·1 micro-batch": dict(pp=2, pp_micro_batches=1),  # no overlap: the same run's baseline for PP2
 }
+# DCP 4 needs heads that split 4 ways: the tiny kimi_k3 (4 MLA / KDA heads; the small one has 6).
+DCP_LAYOUTS = {"TP4": dict(tp=4), "TP4·DCP4": dict(tp=4, dcp=4)}
 
 
 def measure(path: str, args: argparse.Namespace, layout: dict) -> dict:
@@ -53,7 +55,8 @@ def measure(path: str, args: argparse.Namespace, layout: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
     for _ in range(args.batch):
-        engine.add_request(torch.randint(3, 4000, (args.prompt_len,), generator=gen).tolist(), params)
+        vocab = engine.model_config.vocab_size
+        engine.add_request(torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(), params)
     comm.reset_counters()
     t0 = time.perf_counter()
     while any(r.computed_len < len(r.prompt_ids) for r in [*engine.scheduler.running, *engine.scheduler.waiting]):
@@ -100,27 +103,35 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = str(make_model("kimi_k3", "small", Path(tmp) / "k3", seed=0))
-        for name, layout in LAYOUTS.items():
-            config = EngineConfig(model=path, num_threads=args.threads, **layout)
-            results[name] = run_engine(config, lambda layout=layout: measure(path, args, layout))
+        tiny = str(make_model("kimi_k3", "tiny", Path(tmp) / "k3-tiny", seed=0))
+        for name, layout, model in [
+            *((n, lay, path) for n, lay in LAYOUTS.items()),
+            *((n, lay, tiny) for n, lay in DCP_LAYOUTS.items()),
+        ]:
+            config = EngineConfig(model=model, num_threads=args.threads, **layout)
+            results[name] = run_engine(config, lambda layout=layout, model=model: measure(model, args, layout))
     base, base_prefill = results["1"]["decode_step_s_median"], results["1"]["prefill_s"]
     print(f"kimi_k3 small, batch {args.batch} x {args.prompt_len}-token prompts, {args.threads} thread(s) per rank")
-    print(f"{'layout':<14}{'weights MB':>11}{'KV MB':>8}{'state MB':>9}{'prefill s':>10}{'x 1-proc':>9}", end="")
+    print(f"{'layout':<19}{'weights MB':>11}{'KV MB':>8}{'state MB':>9}{'prefill s':>10}{'x 1-proc':>9}", end="")
     print(f"{'MB moved':>9}{'step ms':>9}{'x 1-proc':>9}  bytes/decode step")
     for name, r in results.items():
+        if name in DCP_LAYOUTS:
+            continue
         moved = r["collective_bytes_per_decode_step"]
         by_op = ", ".join(f"{op} {int(b):,}" for op, b in moved.items()) or "-"
         print(
-            f"{name:<14}{r['weight_bytes_per_rank'] / 1e6:>11.2f}{r['kv_bytes_per_rank'] / 1e6:>8.2f}"
+            f"{name:<19}{r['weight_bytes_per_rank'] / 1e6:>11.2f}{r['kv_bytes_per_rank'] / 1e6:>8.2f}"
             f"{r['kda_state_bytes_per_rank'] / 1e6:>9.2f}{r['prefill_s']:>10.2f}{r['prefill_s'] / base_prefill:>9.2f}"
             f"{sum(r['bytes_moved_prefill'].values()) / 1e6:>9.2f}{r['decode_step_s_median'] * 1e3:>9.1f}"
             f"{r['decode_step_s_median'] / base:>9.2f}  {int(sum(moved.values())):,} ({by_op})"
         )
+    pp = results["PP2"]["prefill_s"] / results["PP2·1 micro-batch"]["prefill_s"]
+    print(f"\nPP2 prefill with 2 micro-batches / with 1 (stage overlap, same run): {pp:.2f}")
     full = dcp_figures(results)
     print("\nDCP vs TP: the planner's K3.1 Pro full 1M-token contexts on 8 GB300, and this engine's per-rank KV pool")
     print(f"  plan  TP8 {full['plan_tp8_full_contexts']}  TP8·DCP8 {full['plan_dcp8_full_contexts']}")
     print(
-        f"  engine (kimi_k3 small, 4096-token pool) KV bytes/token/rank TP4 {full['engine_tp4_kv_bytes_per_token']:,}"
+        f"  engine (kimi_k3 tiny, 4096-token pool) KV bytes/token/rank TP4 {full['engine_tp4_kv_bytes_per_token']:,}"
         f"  TP4·DCP4 {full['engine_dcp4_kv_bytes_per_token']:,}  (x{full['engine_tp4_over_dcp4']:.2f});"
         f" pool MB TP4 {full['engine_tp4_kv_mb']:.2f}  TP4·DCP4 {full['engine_dcp4_kv_mb']:.2f}"
     )
@@ -134,6 +145,7 @@ def main() -> None:
         threads_per_rank=args.threads,
         layouts=results,
         dcp_vs_tp=full,
+        pp2_prefill_two_over_one_micro_batch=pp,
     )
 
 

@@ -404,8 +404,11 @@ def wrap_kda_layers(model: CausalLM, group: Group) -> None:
 
 def gather_final_rows(model: CausalLM, res: Residual, view: PCPCacheView, rows: list[int]) -> torch.Tensor:
     """Final hidden states [len(rows), d] of the step's flat rows `rows`: each computed by the rank holding it (decode
-    rows by PCP rank 0), summed over the group with zeros elsewhere (exact)."""
+    rows by PCP rank 0), summed over the group with zeros elsewhere (exact). A step without prefill moves nothing."""
     share = view.share
+    if not view.split:  # decode rows only: every rank holds them all (the same on each rank: no exchange)
+        idx = torch.tensor(rows, dtype=torch.long, device=res.hidden.device)
+        return model.model.finish(Residual(res.hidden[idx], [b[idx] for b in res.bank]))
     mine, at = [], []
     for i, row in enumerate(rows):
         owner, local = share.locate(row)
