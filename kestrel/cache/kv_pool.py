@@ -13,6 +13,7 @@ import torch
 
 from kestrel.cache.free_list import FreeList
 from kestrel.config import ModelConfig
+from kestrel.models.layers.casts import cast
 from kestrel.quant.fp4 import nvfp4_global_scale
 from kestrel.quant.kv_formats import KVTokenLayout
 
@@ -71,10 +72,10 @@ class KVStorage:
             self.index_key[layer] = torch.zeros(slots, cfg.index_head_dim, dtype=dtype, device=device) if dsa else None
 
     def write(self, layer: int, slots: torch.Tensor, latent, rope_key, index_key) -> None:
-        self.latent[layer].index_copy_(0, slots, latent.to(self.latent[layer].dtype))
-        self.rope_key[layer].index_copy_(0, slots, rope_key.to(self.rope_key[layer].dtype))
+        self.latent[layer].index_copy_(0, slots, cast(latent, self.latent[layer].dtype))
+        self.rope_key[layer].index_copy_(0, slots, cast(rope_key, self.rope_key[layer].dtype))
         if index_key is not None:
-            self.index_key[layer].index_copy_(0, slots, index_key.to(self.index_key[layer].dtype))
+            self.index_key[layer].index_copy_(0, slots, cast(index_key, self.index_key[layer].dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [*slots.shape, r] and rope keys [*slots.shape, dr] at the given slots."""
@@ -83,6 +84,9 @@ class KVStorage:
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
         index = self.index_key[layer]
         return select_rows(index, slots) if index is not None else None
+
+    def set_latent_amax(self, latent_amax: dict[int, float]) -> None:
+        """Bounds on |latent| per layer (reloaded weights); only a quantized format keeps a scale from them."""
 
     @property
     def packed_bytes_per_token(self) -> int:
@@ -152,6 +156,11 @@ class QuantizedKVStorage(KVStorage):
         }
         amax = latent_amax or {}
         self.global_scale = {layer: nvfp4_global_scale(amax.get(layer, 0.0)).to(device) for layer in self.layouts}
+
+    def set_latent_amax(self, latent_amax: dict[int, float]) -> None:
+        """New bounds (reloaded weights; the pool holds nothing): rescaled in place, which compiled graphs read."""
+        for layer, scale in self.global_scale.items():
+            scale.copy_(nvfp4_global_scale(latent_amax.get(layer, 0.0)))
 
     def write(self, layer: int, slots: torch.Tensor, latent, rope_key, index_key) -> None:
         lay = self.layouts[layer]

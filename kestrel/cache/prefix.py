@@ -102,5 +102,8 @@ class NoPrefixCache:
     def clear(self) -> None:
         pass
 
+    def set_namespace(self, namespace: str) -> None:
+        pass
+
     def flush(self) -> None:
         pass

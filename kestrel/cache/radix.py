@@ -563,6 +563,14 @@ class RadixCache:
         assert self.num_locked_pages == sum(x.num_pages for x in nodes if x.on_device and x.lock_ref > 0)
         assert self.num_checkpoints == sum(1 for x in nodes if x.checkpoint is not None)
 
+    def set_namespace(self, namespace: str) -> None:
+        """Key pages under another model (reloaded weights): the old namespace's disk files are never matched again.
+        Call it on an empty tree (`clear` with no request holding a lock)."""
+        assert not self.root.children, "renaming the namespace of a tree that still holds nodes"
+        self.root_hash = root_hash(namespace.encode())
+        if self.hicache is not None:
+            self.hicache.set_namespace(namespace)
+
     def clear(self) -> None:
         """Drop every unlocked node from every tier held in memory (disk files stay)."""
         self.evict_pages(self.num_device_pages)

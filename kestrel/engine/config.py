@@ -94,6 +94,10 @@ class EngineConfig:
     max_loras_per_batch: int = field(default=8, metadata={"help": "distinct adapters in one engine step"})
     max_lora_rank: int | None = field(default=None, metadata={"help": "largest adapter rank accepted (default: any)"})
 
+    weight_version: str = field(
+        default="default", metadata={"help": "version tag of the loaded weights, reported with every /generate result"}
+    )
+
     # Parallelism (kestrel.dist): one process per rank; rank 0 schedules and samples, the others follow.
     tp: int = field(default=1, metadata={"help": "tensor-parallel ranks", "aliases": ["--tp-size"]})
     ep: int = field(default=1, metadata={"help": "expert-parallel groups within --tp", "aliases": ["--ep-size"]})

@@ -29,14 +29,16 @@ from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
+from kestrel.engine.lora_registry import AdapterRegistry, AdapterVersion, started
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
 from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import SchedulePlan, Scheduler
+from kestrel.engine.weight_sync import reload_weights, restart
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
-from kestrel.models.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAManager, load_peft
+from kestrel.models.lora import LoRAManager
 from kestrel.spec.draft import load_spec_draft
 from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
@@ -74,6 +76,9 @@ class CompletionOutput:
     error: str | None = None
     spec_accept_length: float | None = None  # mean tokens committed per verify block (speculative decoding)
     spec_verify_ct: int = 0  # verify blocks the sequence went through
+    weight_version: str | None = None  # the weights it ran on (None: never scheduled)
+    lora_version: str | None = None  # its adapter's version tag and checksum (None: the base, or never scheduled)
+    lora_checksum: str | None = None
 
 
 @dataclass
@@ -163,14 +168,14 @@ class Engine:
             config.max_loras_per_batch if config.enable_lora else None,
         )
         self.lora: LoRAManager | None = None
-        self._lora_key: dict[str, int] = {}  # adapter name -> its prefix-cache key offset
-        self.lora_paths: dict[str, str] = {}  # adapter name -> the folder it was loaded from
-        self._lora_keys_used: set[int] = set()  # never reused in a run: an unloaded adapter's pages may linger
         if config.enable_lora:
             self.lora = self.runner.lora = LoRAManager(self.model)
-            for entry in config.lora_paths or []:
-                name, _, lora_path = entry.partition("=")
-                self.load_lora_adapter(name, lora_path)
+        self.adapters = AdapterRegistry(self.lora, cfg.vocab_size, config.max_lora_rank)
+        self._groups: dict[str, list[Request]] = {}
+        for entry in config.lora_paths or []:
+            name, _, lora_path = entry.partition("=")
+            self.load_lora_adapter(name, lora_path)
+        self.weight_version = config.weight_version
         if self.groups is not None and self.groups.layout.dp_attn > 1:  # a scheduler and pools per attention group
             self.pages, self.slots, self.cache, self.scheduler = dp_scheduling(self, num_pages, num_slots)
         self.eos_token_ids = set(eos)
@@ -188,7 +193,6 @@ class Engine:
                 self.max_model_len,
             )
         self._arrivals = itertools.count()
-        self._groups: dict[str, list[Request]] = {}
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
         log.info(
@@ -273,7 +277,7 @@ class Engine:
             if return_routed_experts or (params.prompt_logprobs is not None and lay.dp_attn > 1):
                 field = "return_routed_experts" if return_routed_experts else "prompt_logprobs"
                 raise ValueError(f"{field}: {unsupported_layout(lay)}")
-        if lora_name is not None and lora_name not in self._lora_key:
+        if lora_name is not None and lora_name not in self.adapters.public:
             off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
             raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")
         request_id = request_id or uuid.uuid4().hex
@@ -299,7 +303,7 @@ class Engine:
             req.matcher = GrammarMatcher(sub.grammar) if sub.grammar is not None else None
             req.routed_experts = [] if return_routed_experts else None
             if lora_name is not None:
-                req.lora_name, req.cache_key_offset = lora_name, self._lora_key[lora_name]
+                req.lora_name, req.cache_key_offset = lora_name, self.adapters.public[lora_name].cache_key_offset
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
@@ -310,43 +314,69 @@ class Engine:
         return request_id
 
     # -- LoRA adapters -----------------------------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter under `name`; ValueError naming what is wrong (missing file, shapes, rank)."""
-        if self.lora is None:
-            raise ValueError("lora: LoRA serving is off (start with --enable-lora)")
-        if name in self._lora_key:
-            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
-        adapter = load_peft(path, name)
-        self.lora.add(adapter, self.config.max_lora_rank)
-        # The cache namespace follows the adapter's bytes, so a disk-tier hit after a restart is the same adapter.
-        digest = hashlib.sha256()
-        for f in (CONFIG_FILE, WEIGHTS_FILE):
-            digest.update((Path(path) / f).read_bytes())
-        spaces = (1 << 32) // self.model_config.vocab_size - 1  # shifted ids stay 4-byte page keys
-        key = int.from_bytes(digest.digest()[:8], "little") % spaces + 1
-        while key in self._lora_keys_used:
-            key = key % spaces + 1
-        self._lora_keys_used.add(key)
-        self._lora_key[name] = key * self.model_config.vocab_size
-        self.lora_paths[name] = str(path)
+    def load_lora_adapter(
+        self,
+        name: str,
+        path: str,
+        replace: bool = False,
+        version: str | None = None,
+        checksum: str | None = None,
+    ) -> AdapterVersion:
+        """Load a PEFT adapter under `name`, or (`replace`) swap the version behind it between two steps: requests
+        that started on the old version finish on it (see `AdapterRegistry`). ValueError naming what is wrong
+        (missing file, shapes, rank, checksum)."""
+        return self.adapters.load(name, path, self._requests_naming(name), replace, version, checksum)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Drop an adapter no queued or running request uses (ValueError otherwise)."""
-        if self.lora is None or name not in self._lora_key:
-            raise ValueError(f"lora_name: adapter {name!r} is not loaded")
-        if any(r.lora_name == name for g in self._groups.values() for r in g if not r.is_finished):
-            raise ValueError(f"lora_name: adapter {name!r} is in use by queued or running requests")
-        self.lora.remove(name)
-        del self._lora_key[name], self.lora_paths[name]
+        self.adapters.unload(name, self._requests_naming(name))
+
+    def _requests_naming(self, name: str) -> list[Request]:
+        return [r for g in self._groups.values() for r in g if r.lora_name == name and not r.is_finished]
+
+    def _collect_adapters(self) -> None:
+        if self.adapters.retired:
+            self.adapters.collect({r.lora_name for g in self._groups.values() for r in g if not r.is_finished})
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """Adapter name -> the folder its current version was loaded from."""
+        return {name: e.path for name, e in self.adapters.public.items()}
 
     @property
     def lora_names(self) -> list[str]:
-        return list(self._lora_key)
+        return list(self.adapters.public)
+
+    # -- weight sync -------------------------------------------------------------------------------------
+    def update_weights_from_disk(self, path: str, version: str | None = None) -> None:
+        """Reload the weights in place from a checkpoint of the same architecture and flush the prefix cache.
+        Call it between steps with no request started (`started_requests`): ValueError naming the problem, with
+        the old weights untouched, for a checkpoint that does not match."""
+        reload_weights(self, Path(path), model_fingerprint(Path(path), self.config))
+        if version is not None:
+            self.weight_version = version
+
+    def retract_all(self) -> list[Request]:
+        """Every started request goes back to the queue and forgets what it computed; it reruns from its prompt."""
+        retracted = self.scheduler.retract_all()
+        for req in retracted:
+            restart(self, req)
+        return retracted
+
+    def started_requests(self) -> list[Request]:
+        return [r for g in self._groups.values() for r in g if not r.is_finished and started(r)]
+
+    def _stamp_versions(self, req: Request) -> None:
+        req.weight_version = self.weight_version
+        if req.lora_name is not None:
+            entry = self.adapters.entries[req.lora_name]
+            req.lora_version, req.lora_checksum = entry.version, entry.checksum
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages and state slot return to the free lists immediately."""
         hit = self.scheduler.abort(request_id)
         self._groups.pop(request_id, None)
+        self._collect_adapters()
         return bool(hit)
 
     def requests(self, request_id: str) -> list[Request]:
@@ -361,6 +391,9 @@ class Engine:
     def step(self) -> StepResult:
         """Run one model step; return the requests it advanced and the groups that finished during it."""
         plan = self.scheduler.schedule()
+        for chunk in plan.chunks:
+            if chunk.request.weight_version is None:
+                self._stamp_versions(chunk.request)
         done: list[Request] = list(plan.rejected)
         advanced: list[Request] = []
         if not plan.empty:
@@ -388,7 +421,9 @@ class Engine:
             advanced, finished = self._process_outputs(plan, sampled)
             done += finished
         advanced += [r for r in done if r not in advanced]
-        return StepResult(advanced, self._collect_finished(done))
+        finished = self._collect_finished(done)
+        self._collect_adapters()
+        return StepResult(advanced, finished)
 
     def _process_outputs(
         self, plan: SchedulePlan, sampled: list[list[tuple[int, float, list | None]]]
@@ -474,6 +509,9 @@ class Engine:
                     error=req.error,
                     spec_accept_length=req.spec.mean_accept_length if req.spec is not None else None,
                     spec_verify_ct=len(req.spec.accept_lengths) if req.spec is not None else 0,
+                    weight_version=req.weight_version,
+                    lora_version=req.lora_version,
+                    lora_checksum=req.lora_checksum,
                 )
             )
         return out

@@ -13,6 +13,7 @@ from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.lora import LoRAManager
 
 
@@ -83,9 +84,8 @@ class PagedCacheView:
 
     def store_state(self, layer, conv_state, recurrent_state) -> None:
         conv, recurrent = self.states.conv[layer], self.states.recurrent[layer]
-        conv_state = conv_state if conv_state.dtype == conv.dtype else conv_state.to(conv.dtype)
-        conv.index_copy_(0, self.store_slots, conv_state)
-        recurrent.index_copy_(0, self.store_slots, recurrent_state.float())
+        conv.index_copy_(0, self.store_slots, cast(conv_state, conv.dtype))
+        recurrent.index_copy_(0, self.store_slots, fp32(recurrent_state))
 
     def store_state_snapshots(self, layer, seqs, indices, conv_states, recurrent_states) -> None:
         slots = [self.snapshot_slots[seq][index] for seq, index in zip(seqs, indices)]

@@ -68,6 +68,11 @@ class Request:
     # the prefix cache never hands one adapter's KV to another adapter or to the base.
     lora_name: str | None = None
     cache_key_offset: int = 0
+    # The weights and adapter version the request runs on, stamped when it is first scheduled (None before). A weight
+    # sync never changes them under a running request: it finishes first, or is retracted and restamped on rerun.
+    weight_version: str | None = None
+    lora_version: str | None = None
+    lora_checksum: str | None = None
 
     @property
     def num_tokens(self) -> int:

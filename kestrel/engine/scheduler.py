@@ -169,6 +169,23 @@ class Scheduler:
         index = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(index, req)
 
+    def retract_all(self) -> list[Request]:
+        """Every request that computed anything goes back to the queue with nothing computed, pages and slots freed
+        and no prefix committed (a weight sync is about to make that KV stale); queue order stays by arrival.
+
+        Returns them (running ones and preempted ones holding outputs); the engine forgets their outputs."""
+        hit = sorted(self.running + [r for r in self.waiting if r.output_ids], key=lambda r: r.arrival)
+        for req in self.running:
+            self._release(req)
+            req.status = RequestStatus.WAITING
+        fresh = [r for r in self.waiting if not r.output_ids]
+        self.running = []
+        self.waiting = collections.deque(sorted(hit + fresh, key=lambda r: r.arrival))
+        for req in hit:
+            req.computed_len = req.cached_tokens = 0
+            req.cache_hits = {}
+        return hit
+
     def _reserve(self, req: Request, total_tokens: int) -> bool:
         extra = self.pages.pages_for(total_tokens) - len(req.pages)
         if extra <= 0:

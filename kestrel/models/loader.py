@@ -7,6 +7,7 @@ never held twice. Name mapping is data (`_RENAMES`); reshaping and fusing live w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -117,6 +118,7 @@ def load_weights(
 
     A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0);
     `skip` names checkpoint tensors the model does not hold (a pipeline stage's: other stages' layers).
+    A model on the meta device reads no tensor data: only names and shapes are checked (`check_checkpoint`).
     """
     path = Path(path)
     files = checkpoint_files(path)
@@ -154,7 +156,10 @@ def load_weights(
                     if shard not in shards and shard != FULL:
                         unexpected.append(ckpt_name)
                         continue
-                    tensor = f.get_tensor(ckpt_name) if index is None else f.get_slice(ckpt_name)[index]
+                    if target.device.type == "meta" and index is None:
+                        tensor = torch.empty(f.get_slice(ckpt_name).get_shape(), device="meta")
+                    else:
+                        tensor = f.get_tensor(ckpt_name) if index is None else f.get_slice(ckpt_name)[index]
                     tensor = tensor.to(device=target.device, dtype=target.dtype)
                     try:
                         fn(target, tensor, shard)
@@ -200,6 +205,27 @@ def load_model(
         path,
     )
     return model, cfg
+
+
+def check_checkpoint(cfg: ModelConfig, path: str | Path, dtype: torch.dtype) -> None:
+    """CheckpointError naming every difference between the checkpoint at `path` and a model built from `cfg`:
+    its config.json's architecture fields, then its tensors' names and shapes (read from the headers only, so a
+    reload in place can refuse a mismatched checkpoint before it overwrites a single weight)."""
+    path = Path(path)
+    try:
+        other = load_model_config(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    ours, theirs = dataclasses.asdict(cfg), dataclasses.asdict(other)
+    differ = [f"{k}: {theirs[k]!r}, the running model has {ours[k]!r}" for k in ours if ours[k] != theirs[k]]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} is another architecture: " + "; ".join(differ))
+    try:
+        load_weights(build_model(cfg, dtype, "meta"), path, progress=False)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+        raise CheckpointError(f"checkpoint {path}: unreadable safetensors ({exc})") from None
 
 
 def param_count(model: nn.Module) -> int:

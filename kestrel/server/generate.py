@@ -4,6 +4,9 @@ Per generated token the response can carry its logprob and the experts every MoE
 experts follow the replay convention: entry k is what each MoE layer chose when the token at position
 `prompt_tokens - 1 + k` was the input — the forward row whose logits sampled output token k. A trainer replays
 them for the rows that score the completion (`routed_experts_start_position` says where they start).
+`meta_info.weight_version` (and `lora_version` / `lora_checksum` with an adapter) name what every token of the
+result came from; a sequence retracted by a weight sync starts over, and its next stream chunk says so by
+being the whole new result (chunks are cumulative).
 """
 
 from __future__ import annotations
@@ -103,8 +106,10 @@ class _Seq:
     finish_reason: str | None = None
     final: CompletionOutput | None = None
     prompt_logprobs: list | None = None
+    versions: tuple[str | None, str | None, str | None] = (None, None, None)  # weights, adapter, its checksum
 
     def add(self, d: SeqDelta) -> None:
+        self.versions = (d.weight_version, d.lora_version, d.lora_checksum)
         self.text += d.text
         self.output_ids += d.token_ids
         self.logprobs += d.logprobs or []
@@ -114,6 +119,7 @@ class _Seq:
 
     def finish(self, comp: CompletionOutput, prompt_logprobs: list | None) -> None:
         self.final, self.prompt_logprobs = comp, prompt_logprobs
+        self.versions = (comp.weight_version, comp.lora_version, comp.lora_checksum)
         self.text, self.output_ids, self.finish_reason = comp.text, comp.token_ids, comp.finish_reason
         self.logprobs, self.top_logprobs = comp.logprobs or [], comp.top_logprobs or []
 
@@ -123,7 +129,10 @@ class _Seq:
             "finish_reason": _finish(self.finish_reason, len(self.output_ids)),
             "prompt_tokens": len(self.prompt),
             "completion_tokens": len(self.output_ids),
+            "weight_version": self.versions[0],
         }
+        if self.versions[2] is not None:
+            meta["lora_version"], meta["lora_checksum"] = self.versions[1], self.versions[2]
         if self.final is not None:
             meta["cached_tokens"] = self.final.cached_tokens
             meta["cached_tokens_by_tier"] = self.final.cached_tokens_by_tier
@@ -164,7 +173,8 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
     # Deltas carry the routed experts (the final output does not), so collect them as they come.
     want = req.return_routed_experts
     loras = _loras(req, ctx, len(prompts), batch)
-    gen = Generation(ctx, rids, prompts, params, deltas=req.stream or want, routed_experts=want, loras=loras)
+    deltas = req.stream or want
+    gen = Generation(ctx, rids, prompts, params, deltas, routed_experts=want, loras=loras, restartable=True)
     if req.stream:
         return SSEResponse(_stream(req, gen, seqs, n, many=len(seqs) > 1), gen)
     try:
@@ -185,6 +195,9 @@ def _apply(event: StreamEvent, gen: Generation, seqs: dict[tuple[int, int], _Seq
     p = gen.index[event.request_id]
     changed = []
     for d in event.deltas:
+        if d.reset:  # retracted and rerun: what came before was from another run (another version)
+            old = seqs[p, d.index]
+            seqs[p, d.index] = _Seq(old.rid, old.prompt)
         seqs[p, d.index].add(d)
         changed.append((p, d.index))
     if event.output is not None:

@@ -24,6 +24,7 @@ from kestrel.server.generate import abort_request, generate
 from kestrel.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kestrel.server.serving import ServingContext
 from kestrel.server.sglang_api import add_sglang_routes
+from kestrel.server.sync_api import add_sync_routes
 
 log = logging.getLogger(__name__)
 
@@ -155,5 +156,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         return await abort_request(body, ctx)
 
     add_sglang_routes(app, ctx, config)
+    add_sync_routes(app, ctx)
     app.state.serving = ctx
     return app

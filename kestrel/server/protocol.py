@@ -297,8 +297,17 @@ class GenerateRequest(_Body):
 
 
 class LoadLoRARequest(_Body):
+    """SGLang's body (`pinned` and `lora_id` are accepted; Kestrel never evicts an adapter), plus the upsert fields:
+    `replace` swaps the version behind a loaded name between two steps, `lora_version` tags it, `checksum` (sha256
+    of adapter_model.safetensors) is verified against the bytes loaded."""
+
     lora_name: Annotated[str, Strict(), Field(min_length=1, max_length=256)]
     lora_path: Str
+    pinned: Bool = False
+    lora_id: Str | None = None
+    replace: Bool = False
+    lora_version: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
+    checksum: Annotated[str, Strict(), Field(pattern=r"^(sha256:)?[0-9a-fA-F]{64}$")] | None = None
 
 
 class UnloadLoRARequest(_Body):
@@ -307,3 +316,30 @@ class UnloadLoRARequest(_Body):
 
 class AbortRequest(_Body):
     rid: Str
+
+
+Version = Annotated[str, Strict(), Field(min_length=1, max_length=256)]
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    """SGLang's `UpdateWeightFromDiskReqInput`; its other fields (is_async, keep_pause, token_step, ...) are
+    accepted and change nothing here (an update never changes the pause state)."""
+
+    model_path: Annotated[str, Strict(), Field(min_length=1)]
+    load_format: Str | None = None
+    weight_version: Version | None = None
+    flush_cache: Bool = True
+    abort_all_requests: Bool = False
+
+
+class PauseGenerationRequest(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationRequest(_Body):
+    pass
+
+
+class UpdateWeightVersionRequest(_Body):
+    new_version: Version
+    abort_all_requests: Bool = True

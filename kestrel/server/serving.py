@@ -154,6 +154,7 @@ class Generation:
         deltas: bool,
         routed_experts: bool = False,
         loras: list[str | None] | None = None,
+        restartable: bool = False,
     ) -> None:
         self.engine = ctx.engine
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -164,7 +165,14 @@ class Generation:
             for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
                 lora = loras[i] if loras else None
                 self.engine.submit(
-                    ids, params, rid, deltas=deltas, routed_experts=routed_experts, events=self.queue, lora=lora
+                    ids,
+                    params,
+                    rid,
+                    deltas=deltas,
+                    routed_experts=routed_experts,
+                    events=self.queue,
+                    lora=lora,
+                    restartable=restartable,
                 )
                 self.pending.add(rid)
         except QueueFull as exc:

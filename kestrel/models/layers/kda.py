@@ -12,6 +12,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, PrefillPhase
+from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_step, kda_steps, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
@@ -57,11 +58,11 @@ class KDAAttention(nn.Module):
         mixed, f_a, b, gate = self.in_proj.fused(x).split([self.conv_dim, *self.in_proj.sizes[3:]], dim=-1)
         if self.g_b_proj is not None:
             gate = self.g_b_proj(gate)
-        return mixed, self.forget_gate(f_a), torch.sigmoid(b.float()), gate
+        return mixed, self.forget_gate(f_a), torch.sigmoid(fp32(b)), gate
 
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g ≤ 0, [T, H, K], fp32."""
-        g = (self.f_b_proj(f_a).float() + self.dt_bias).view(-1, self.n_heads, self.head_dim)
+        g = (fp32(self.f_b_proj(f_a)) + self.dt_bias).view(-1, self.n_heads, self.head_dim)
         decay = self.A_log.exp().view(1, self.n_heads, 1)  # A_log and dt_bias are kept in fp32
         if self.gate_lower_bound is not None:
             return self.gate_lower_bound * torch.sigmoid(decay * g)
@@ -70,13 +71,13 @@ class KDAAttention(nn.Module):
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv output into heads; q, k L2-normalised (fp32), q scaled by K^-1/2."""
         c = self.conv_dim // 3
-        qk = l2_normalize(conv_out[..., : 2 * c].float().unflatten(-1, (2, self.n_heads, self.head_dim)))
+        qk = l2_normalize(fp32(conv_out[..., : 2 * c]).unflatten(-1, (2, self.n_heads, self.head_dim)))
         v = conv_out[..., 2 * c :].unflatten(-1, (self.n_heads, self.head_dim))
         return qk[..., 0, :, :] * self.head_dim**-0.5, qk[..., 1, :, :], v
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = o.shape[0]
-        o = self.o_norm(o.to(dtype), gate.view(t, self.n_heads, self.head_dim))
+        o = self.o_norm(cast(o, dtype), gate.view(t, self.n_heads, self.head_dim))
         return self.o_proj(o.reshape(t, -1))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -113,9 +114,7 @@ class KDAAttention(nn.Module):
 
     def decode(self, mixed, g, beta, conv_state, rec_state, in_place: bool = False):
         """One new token for each of B sequences, all at once: conv window, then one recurrent step."""
-        if mixed.dtype != conv_state.dtype:
-            mixed = mixed.to(conv_state.dtype)
-        window = torch.cat([conv_state, mixed[:, :, None]], dim=-1)  # [B, 3C, kernel]
+        window = torch.cat([conv_state, cast(mixed, conv_state.dtype)[:, :, None]], dim=-1)  # [B, 3C, kernel]
         conv_out = F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))
         q, k, v = self._qkv(conv_out)
         o, rec_state = kda_step(q, k, v, g, beta, rec_state, in_place)

@@ -14,6 +14,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.layers.casts import cast
 from kestrel.models.layers.dsa import Indexer, causal_mask, topk_mask
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.norm import RMSNorm
@@ -164,17 +165,17 @@ class MLAAttention(nn.Module):
         W_UV views cost as much as the products at decode sizes (the same products, in the same order).
         """
         out_dtype, ct = q_nope.dtype, compiled_cpu_product_dtype(q_nope)
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank).to(ct)
+        w = cast(self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank), ct)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_latent = torch.bmm(q_nope.to(ct).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
-        latent = latent.to(ct)
+        q_latent = torch.bmm(cast(q_nope, ct).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+        latent = cast(latent, ct)
         scores = torch.bmm(q_latent, latent.transpose(1, 2))  # [B, H, L]
         if self.rope_dim:
-            scores = scores + torch.bmm(q_rope.to(ct), rope_key.to(ct).transpose(1, 2))
+            scores = scores + torch.bmm(cast(q_rope, ct), cast(rope_key, ct).transpose(1, 2))
         scores = (scores * self.scale).masked_fill(~allowed[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(ct)
+        probs = cast(torch.softmax(scores, dim=-1, dtype=torch.float32), ct)
         out_latent = torch.bmm(probs, latent)  # [B, H, r]
-        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).to(out_dtype)
+        return cast(torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out_dtype)
 
     # -- the two attention forms ------------------------------------------------------------------------
     def attend_naive(

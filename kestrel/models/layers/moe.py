@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
+from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
 from kestrel.models.layers.norm import RMSNorm
@@ -18,11 +19,11 @@ GATHERED_MAX_PAIRS = 16
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU: β·tanh(gate/β)·sigmoid(gate) · (β_lin·tanh(up/β_lin) if β_lin else up), computed in fp32."""
-    g, u = gate.float(), up.float()
+    g, u = fp32(gate), fp32(up)
     act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     if linear_beta:
         u = linear_beta * torch.tanh(u / linear_beta)
-    return (act * u).to(gate.dtype)
+    return cast(act * u, gate.dtype)
 
 
 class GatedActivation:
@@ -61,7 +62,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(fp32(x), fp32(self.weight))
         return logits.sigmoid() if self.activation == "sigmoid" else logits.softmax(dim=-1)
 
     def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +72,7 @@ class Router(nn.Module):
         return self.weights_for(scores, ids), ids
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        choice = scores + self.e_score_correction_bias.float()
+        choice = scores + fp32(self.e_score_correction_bias)
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
@@ -198,12 +199,12 @@ def expert_pairs(
     """`expert_segments` for one token, one expert at a time: the grouped GEMM would also visit every idle expert and
     the sort/scatter bookkeeping costs more than the token's GEMMs. Bit-identical to `expert_segments` for one token:
     each expert sees the same one-row GEMM, and the terms are added in the same order (by expert id, from zero)."""
-    out, columns = torch.zeros_like(x), weights.unbind(1)  # one view op for all k weight columns
+    out, columns = None, weights.unbind(1)  # one view op for all k weight columns
     for e, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
         gate, up = F.linear(x, gate_up_proj[e]).chunk(2, dim=-1)
         h = situ(gate, up, beta, linear_beta or None) if act == "situ" else F.silu(gate) * up
-        y = F.linear(h, down_proj[e]) * columns[j]
-        out.add_(y if y.dtype == x.dtype else y.to(x.dtype))
+        y = cast(F.linear(h, down_proj[e]) * columns[j], x.dtype)
+        out = y if out is None else out.add_(y)  # the first term as it is: 0 + y is y, bit for bit
     return out
 
 
