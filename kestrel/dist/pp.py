@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ConfigError, ModelConfig
-from kestrel.dist import comm
+from kestrel.dist import comm, pcp
 from kestrel.dist.groups import ParallelLayout
 from kestrel.engine.model_runner import StepInputs, StepLogits
 from kestrel.models.decoder import CausalLM, Residual
@@ -210,18 +210,14 @@ def build_piece(runner: DistModelRunner, piece: MicroBatch) -> ForwardBatch:
     """The micro-batch as this rank runs it: whole, or its PCP share of the prefill tokens."""
     if runner.groups.layout.pcp == 1:
         return runner.build(piece.inputs, piece.decode_rows)[0]
-    from kestrel.dist import pcp
-
     share = pcp.split_step(piece.inputs, piece.decode_rows, runner.groups.layout, runner.groups.pcp.rank, runner)
     batch = runner.build(share.local, share.replicated)[0]
     batch.cache = pcp.PCPCacheView(batch.cache, share, runner.groups.pcp)
     return batch
 
 
-def _final_rows(model: CausalLM, res: Residual, batch: ForwardBatch, rows: list[int], groups) -> torch.Tensor:
+def _final_rows(model: CausalLM, res: Residual, batch: ForwardBatch, rows: list[int]) -> torch.Tensor:
     """The final hidden states [len(rows), d] of the micro-batch's rows `rows` (gathered over the PCP group)."""
-    from kestrel.dist import pcp
-
     if not isinstance(batch.cache, pcp.PCPCacheView):
         idx = torch.tensor(rows, dtype=torch.long, device=res.hidden.device)
         return model.model.finish(Residual(res.hidden[idx], [b[idx] for b in res.bank]))
@@ -255,7 +251,7 @@ def run_step(runner: DistModelRunner, msg: StepMessage) -> tuple[StepLogits | No
             works.append(send_residual(res, groups.pp.ranks[stage + 1]))
             continue
         rows = [r - piece.lo for r in needed if piece.lo <= r < piece.hi]
-        finals.append(_final_rows(model, res, batch, rows, groups))
+        finals.append(_final_rows(model, res, batch, rows))
     for src, dst in msg.post_copies:
         runner.states.copy(src, dst)
     comm.wait_all([w for w, _ in works], groups.timeout_s)
