@@ -142,6 +142,7 @@ class CausalLM(nn.Module):
         if cfg.vision is not None:
             self.vision_tower = MoonViT(cfg.vision)
             self.mm_projector = Projector(cfg.vision)
+        self.batch_invariant = False
 
     @property
     def has_vision(self) -> bool:
@@ -152,7 +153,6 @@ class CausalLM(nn.Module):
         features = self.mm_projector(self.vision_tower(pixel_values, grids))
         kh, kw = self.cfg.vision.merge_kernel
         return list(features.split([(h // kh) * (w // kw) for _, h, w in grids]))
-        self.batch_invariant = False
 
     def _mode(self):
         return batch_invariant.mode() if self.batch_invariant else contextlib.nullcontext()
