@@ -15,6 +15,7 @@ from kestrel.engine.config import EngineConfig
 from kestrel.models.presets import FAMILIES
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 from kestrel.server.args import add_server_args
+from kestrel.train.recipes import RECIPES
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -199,9 +200,11 @@ def cmd_train_dflash(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.train.evaluate import eval_arithmetic, eval_tools
+    from kestrel.train.vision_eval import eval_vision
 
     llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype)
-    scores = eval_arithmetic(llm, args.n) if args.task == "arithmetic" else eval_tools(llm, args.n)
+    tasks = {"arithmetic": eval_arithmetic, "tools": eval_tools, "vision": eval_vision}
+    scores = tasks[args.task](llm, args.n)
     for name, value in scores.items():
         print(f"{args.task}/{name}: {value:.3f}")
     return 0
@@ -319,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "train", "sft: SFT on synthetic chat episodes; dflash: distil a speculative block draft for --target"
     )
     tr.add_argument("mode", choices=["sft", "dflash"])
-    tr.add_argument("--recipe", default="mini", choices=["mini", "tiny"], help="sft recipe")
+    tr.add_argument("--recipe", default="mini", choices=list(RECIPES), help="sft recipe")
     tr.add_argument("--target", default="kestrel-mini", help="dflash: target model (kestrel-mini or a folder)")
     tr.add_argument("--out", default=None, help="default: out/sft-mini or out/dflash-mini")
     tr.add_argument("--steps", type=int, default=None)
@@ -327,9 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default (model or draft)")
     tr.set_defaults(func=cmd_train)
 
-    ev = add_command(sub, "eval", "held-out accuracy (default: the built-in model): arithmetic or tool calling")
+    ev = add_command(sub, "eval", "held-out accuracy (default: the built-in model): arithmetic, tool calling, vision")
     ev.add_argument("model", nargs="?", default=None)
-    ev.add_argument("--task", required=True, choices=["arithmetic", "tools"])
+    ev.add_argument("--task", required=True, choices=["arithmetic", "tools", "vision"])
     ev.add_argument("-n", type=int, default=200)
     ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")
     ev.set_defaults(func=cmd_eval)

@@ -92,7 +92,7 @@ class KVStorage:
     def packed_bytes_per_token(self) -> int:
         return self.packed_width * next(iter(self.latent.values())).element_size()
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
         """Every per-layer tensor, in a fixed order (the packed page layout follows it)."""
         out = []
         for layer in self.latent:
@@ -108,12 +108,12 @@ class KVStorage:
         the host tier keeps and the disk tier writes.
         """
         slots = _page_slots(pages, page_size, self.latent[next(iter(self.latent))].device)
-        packed = torch.cat([t[slots] for t in self._tensors()], dim=-1)
+        packed = torch.cat([t[slots] for t in self.tensors()], dim=-1)
         return packed.view(len(pages), page_size, -1).to("cpu", copy=True)
 
     def scatter_pages(self, pages: list[int], page_size: int, packed: torch.Tensor) -> None:
         """Inverse of `gather_pages`: write packed contents into the given (fresh) pages."""
-        tensors = self._tensors()
+        tensors = self.tensors()
         slots = _page_slots(pages, page_size, tensors[0].device)
         flat = packed.reshape(len(pages) * page_size, -1).to(tensors[0].device)
         for t, part in zip(tensors, flat.split([t.shape[1] for t in tensors], dim=-1)):
@@ -121,7 +121,7 @@ class KVStorage:
 
     @property
     def packed_width(self) -> int:
-        return sum(t.shape[1] for t in self._tensors())
+        return sum(t.shape[1] for t in self.tensors())
 
 
 class QuantizedKVStorage(KVStorage):
@@ -176,7 +176,7 @@ class QuantizedKVStorage(KVStorage):
         index = self.index_key[layer]
         return self.layouts[layer].decode_index(select_rows(index, slots), self.dtype) if index is not None else None
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
         out = []
         for layer in self.latent:
             out.append(self.latent[layer])

@@ -108,6 +108,8 @@ def keep_stage(model: CausalLM, layout: ParallelLayout, stage: int) -> None:
     embed, head = _ends(cfg, layout, stage)
     if not embed:
         inner.embed_tokens = None
+    if stage > 0 and cfg.vision is not None:
+        model.vision_tower, model.mm_projector = None, None
     if not head:
         inner.norm, model.lm_head = None, None
         if cfg.attn_res_block_size:
@@ -116,7 +118,8 @@ def keep_stage(model: CausalLM, layout: ParallelLayout, stage: int) -> None:
 
 
 def stage_skip(cfg: ModelConfig, layout: ParallelLayout, stage: int) -> Callable[[str], bool]:
-    """Checkpoint tensors this stage does not read: other stages' layers and the ends it lacks."""
+    """Parameters (by Kestrel name) this stage does not read: other stages' layers, the ends it lacks, and the vision
+    tower anywhere but the first stage (image features join the embeddings there)."""
     layers = layout.stage_layers(cfg.num_hidden_layers, stage)
     embed, head = _ends(cfg, layout, stage)
 
@@ -125,6 +128,8 @@ def stage_skip(cfg: ModelConfig, layout: ParallelLayout, stage: int) -> Callable
             return int(m.group(1)) not in layers
         if name.startswith("model.embed_tokens."):
             return not embed
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            return stage > 0
         return not head and name.startswith(("model.norm.", "lm_head.", "model.output_attn_res_"))
 
     return skip

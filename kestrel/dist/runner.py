@@ -124,7 +124,7 @@ class RecordingPoolIO(PoolIO):
     ranks' next step (and made here at once when rank 0 is one of them)."""
 
     def __init__(self, runner: DistModelRunner, group: int) -> None:
-        super().__init__(runner.kv, runner.states, runner.page_size)
+        super().__init__(runner.kv, runner.states, runner.page_size, runner.records)
         self.runner, self.group = runner, group
 
     def copy_state(self, src: int, dst: int) -> None:
@@ -212,28 +212,24 @@ class DistModelRunner(ModelRunner):
         return batch, rows, msg.post_copies
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
+    def execute(self, plan: SchedulePlan) -> tuple[StepLogits, ForwardBatch]:
         group_plans = getattr(plan, "group_plans", None)
         if group_plans is not None and prompt_logit_chunks(plan):
             raise ValueError(f"prompt_logprobs: {unsupported_layout(self.groups.layout)}")
-        if (group_plans is not None or self.staged) and (
-            routed or any(c.request.routed_experts is not None for c in plan.chunks)
-        ):
-            raise ValueError(f"return_routed_experts: {unsupported_layout(self.groups.layout)}")
         try:
-            return self._execute(plan, routed, group_plans)
+            return self._execute(plan, group_plans)
         except Exception as exc:  # once the step is broadcast, the other ranks wait in collectives: no going on
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             fail_job(f"step failed on rank 0 ({reason})")
             raise
 
-    def _execute(self, plan: SchedulePlan, routed: bool, group_plans) -> tuple[StepLogits, ForwardBatch]:
+    def _execute(self, plan: SchedulePlan, group_plans) -> tuple[StepLogits, ForwardBatch]:
         if group_plans is None and self.staged:
             msg = self._message(plan, 0)
             send_step([msg], self.groups)
             return run_step(self, msg)
         if group_plans is None:
-            return super().execute(plan, routed)
+            return super().execute(plan)
         messages = [self._message(p, g) for g, p in enumerate(group_plans)]
         send_step(messages, self.groups)
         sample, batch = self._run_dp(messages)

@@ -11,6 +11,8 @@ from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 DTYPES = ("float32", "bfloat16", "float16")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SPEC_ALGORITHMS = ("dflash",)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "fake")
 
 
 @dataclass
@@ -41,6 +43,9 @@ class EngineConfig:
         default=None, metadata={"help": "longest prompt + output (default: the model's, capped at 32768)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampling generators"})
+    encoder_cache_tokens: int = field(
+        default=16384, metadata={"help": "image feature rows kept for reuse by content hash (vision models)"}
+    )
     # Prefix cache (radix tree with KDA state checkpoints) and its lower tiers (HiCache).
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prompt prefixes (radix tree)"})
     state_track_interval: int = field(
@@ -83,6 +88,23 @@ class EngineConfig:
     )
     enable_linear_replayssm_spec: bool = field(
         default=False, metadata={"help": "KDA rollback by replaying accepted tokens (else per-position snapshots)"}
+    )
+
+    # RL rollouts: what each token was routed to, kept beside its KV (prefix-cache hits return full rows), and
+    # batch-invariant numerics (a trainer in the same mode recomputes the rollout's logprobs bit for bit).
+    enable_return_routed_experts: bool = field(
+        default=False, metadata={"help": "record every token's routed experts for /generate's return_routed_experts"}
+    )
+    enable_return_indexer_topk: bool = field(
+        default=False,
+        metadata={"help": "record every token's DSA top-k positions for return_indexer_topk (4 B x layers x top-k)"},
+    )
+    deterministic_inference: bool = field(
+        default=False,
+        metadata={
+            "help": "batch-invariant kernels: rollout logprobs bit-identical to a trainer's in the same mode (slower)",
+            "aliases": ["--enable-deterministic-inference"],
+        },
     )
 
     # LoRA serving (kestrel.models.lora): adapters beside the frozen base, chosen per request.
@@ -152,6 +174,31 @@ class EngineConfig:
     )
     dist_timeout: float = field(default=60.0, metadata={"help": "seconds before a stuck collective fails the job"})
 
+    # Prefill/decode disaggregation (kestrel.disagg): SGLang's flags; sglang-router pairs the two roles per request.
+    disaggregation_mode: str = field(
+        default="null",
+        metadata={"help": "null (one worker does both), prefill or decode", "choices": DISAGGREGATION_MODES},
+    )
+    disaggregation_bootstrap_port: int = field(
+        default=8998, metadata={"help": "prefill: port of the bootstrap server decode workers look the rank up at"}
+    )
+    disaggregation_bootstrap_host: str | None = field(
+        default=None, metadata={"help": "address the bootstrap server and the transfer engine use (default: --host)"}
+    )
+    disaggregation_transfer_backend: str = field(
+        default="mooncake",
+        metadata={
+            "help": "KV transport: mooncake, or fake (instant success, no data: warm-up)",
+            "choices": TRANSFER_BACKENDS,
+        },
+    )
+    disaggregation_ib_device: str | None = field(
+        default=None, metadata={"help": "RDMA device(s) for Mooncake, e.g. mlx5_0 (default: TCP)"}
+    )
+    disaggregation_transfer_timeout: float = field(
+        default=300.0, metadata={"help": "seconds a request may wait for its KV (either side) before it fails"}
+    )
+
     @property
     def world(self) -> int:
         """Processes the layout runs (one per rank)."""
@@ -201,6 +248,7 @@ class EngineConfig:
         )
         need(self.max_states_per_path >= -1, "max_states_per_path", "must be >= 0, or -1 for unlimited")
         need(self.max_state_checkpoints is None or self.max_state_checkpoints >= 0, "max_state_checkpoints", ">= 0")
+        need(self.encoder_cache_tokens >= 0, "encoder_cache_tokens", "must be >= 0")
         need(self.num_threads >= 0, "num_threads", "must be >= 0 (0: torch's default)")
         need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
@@ -219,6 +267,22 @@ class EngineConfig:
         need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
         need(self.dist_timeout > 0, "dist_timeout", "must be > 0 seconds")
         need(self.moe_dispatch in ("allgather", "alltoall"), "moe_dispatch", "allgather|alltoall")
+        need(self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode", "|".join(DISAGGREGATION_MODES))
+        need(
+            self.disaggregation_transfer_backend in TRANSFER_BACKENDS,
+            "disaggregation_transfer_backend",
+            "|".join(TRANSFER_BACKENDS),
+        )
+        need(0 <= self.disaggregation_bootstrap_port <= 65535, "disaggregation_bootstrap_port", "must be in [0, 65535]")
+        need(self.disaggregation_transfer_timeout > 0, "disaggregation_transfer_timeout", "must be > 0 seconds")
+        if self.disaggregation_mode != "null":
+            # The transfer maps one page table and one state slot per request onto the peer's: one rank each side.
+            need(
+                self.world == 1 and self.dcp == 1,
+                "disaggregation_mode",
+                "needs one rank per worker (--tp/--pcp/--pp 1) for now",
+            )
+            need(self.nnodes == 1, "disaggregation_mode", "needs --nnodes 1 for now")
         if self.ep_expert_map is not None:
             owners = self.ep_expert_map.split(",")
             need(all(x.strip().isdigit() for x in owners), "ep_expert_map", "ints, comma-separated")
@@ -243,6 +307,18 @@ class EngineConfig:
                 "not with --tp/--pcp/--pp > 1 yet",
             )
             need(self.speculative_algorithm is None, "speculative_algorithm", "not with --tp/--pcp/--pp > 1 yet")
+        if self.deterministic_inference:
+            why = "not supported with --deterministic-inference yet"
+            need(not self.compile, "compile", why + " (inductor fuses ops into other reduction orders)")
+            need(self.kv_cache_dtype == "auto", "kv_cache_dtype", "must be auto with --deterministic-inference")
+            need(self.speculative_algorithm is None, "speculative_algorithm", why)
+            need(self.world == 1 and self.nnodes == 1, "tp", why + " (one process: --tp/--pcp/--pp 1)")
+        if self.enable_return_routed_experts or self.enable_return_indexer_topk:
+            need(self.dp_attn == 1 and not self.enable_dp_attention, "dp_attn", "not with rollout capture yet")
+            need(self.dcp == 1, "dcp", "not with rollout capture yet")
+            need(self.pcp == 1 and self.pp == 1, "pcp" if self.pcp > 1 else "pp", "not with rollout capture yet")
+            # A decode worker receives pages, not the prefill worker's records of them.
+            need(self.disaggregation_mode == "null", "disaggregation_mode", "not with rollout capture yet")
         need(
             self.hicache_write_policy in HICACHE_WRITE_POLICIES,
             "hicache_write_policy",

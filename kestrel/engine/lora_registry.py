@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+from kestrel.cache.keys import IMAGE_KEY_BASE
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.models.lora import CONFIG_FILE, LoRAManager, load_peft, validate
 
@@ -99,9 +100,9 @@ class AdapterRegistry:
 
     def _new_key(self, path: str, checksum: str) -> int:
         """A cache namespace that follows the adapter's bytes, so a disk-tier hit after a restart is the same
-        adapter; shifted ids stay 4-byte page keys."""
+        adapter; shifted ids stay below the image placeholder keys (4-byte page keys)."""
         digest = hashlib.sha256((Path(path) / CONFIG_FILE).read_bytes() + checksum.encode()).digest()
-        spaces = (1 << 32) // self.vocab_size - 1
+        spaces = IMAGE_KEY_BASE // self.vocab_size - 1
         key = int.from_bytes(digest[:8], "little") % spaces + 1
         while key in self._keys_used:
             key = key % spaces + 1

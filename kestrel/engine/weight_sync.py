@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kestrel.engine.detokenizer import IncrementalDetokenizer
-from kestrel.engine.grammar import GrammarMatcher
+from kestrel.engine.grammar import new_matcher
 from kestrel.engine.model_runner import latent_bounds
 from kestrel.engine.request import Request
 from kestrel.models.loader import check_checkpoint, load_weights
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 # What a retracted request keeps: who it is and what it was asked; everything else is what it computed.
 _IDENTITY = frozenset({"request_id", "prompt_ids", "params", "arrival", "lora_name", "cache_key_offset"})
+_IDENTITY |= {"return_routed_experts", "return_indexer_topk"}  # asked for: the rerun captures too
 _IDENTITY |= {"num_computed_tokens", "num_preemptions"}  # counters of work done, kept for the statistics
 
 
@@ -59,7 +60,7 @@ def restart(engine: Engine, req: Request) -> None:
             setattr(req, f.name, f.default_factory())
     params = req.params
     req.generator = engine.sampler.make_generator(params, engine.device)
-    req.matcher = GrammarMatcher(params.grammar) if params.grammar is not None else None
+    req.matcher = new_matcher(params.grammar) if params.grammar is not None else None
     if engine.tokenizer is not None:
         req.detokenizer = IncrementalDetokenizer(
             engine.tokenizer, req.prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output

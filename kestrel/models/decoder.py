@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -10,12 +11,14 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.attnres import attn_res_mix
 from kestrel.models.layers.kda import KDAAttention
 from kestrel.models.layers.mla import MLAAttention
 from kestrel.models.layers.moe import DenseMLP, MoE
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding
+from kestrel.models.vision.moonvit import Grid, MoonViT, Projector
 
 
 @dataclass
@@ -58,7 +61,7 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if not self.is_moe:
             return self.mlp(x)
-        forced = batch.forced_experts.get(self.layer_id) if batch.forced_experts else None
+        forced = batch.replay.experts(self.layer_id) if batch.replay is not None else None
         out, ids = self.mlp(x, forced)
         if batch.routed_experts is not None:
             batch.routed_experts[self.layer_id] = ids
@@ -113,7 +116,10 @@ class DecoderModel(nn.Module):
 
     def embed(self, batch: ForwardBatch) -> Residual:
         """The stream before the first layer: the embeddings (AttnRes: the partial, with an empty bank)."""
-        return Residual(self.embed_tokens(batch.input_ids))
+        h = self.embed_tokens(batch.input_ids)
+        if batch.mm_embeds is not None:  # image placeholders take the projected image features
+            h = h.index_copy(0, batch.mm_rows, batch.mm_embeds.to(h.dtype))
+        return Residual(h)
 
     def run_layers(self, res: Residual, batch: ForwardBatch, layers: Iterable[DecoderLayer]) -> Residual:
         """Carry the stream through `layers` (all of them, or one pipeline stage's run of them)."""
@@ -144,7 +150,12 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head. `forward` returns final hidden states; `logits` projects the rows you need (fp32)."""
+    """Decoder + LM head (+ the vision tower and projector of a multimodal checkpoint, under its own names).
+    `forward` returns final hidden states; `logits` projects the rows you need (fp32).
+
+    With `batch_invariant` set (`--deterministic-inference`, and a trainer's matching mode), both run in
+    `batch_invariant.mode()`: a row's result never depends on the rest of its batch, chunking or decode vs prefill.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -153,12 +164,31 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.vision is not None:
+            self.vision_tower = MoonViT(cfg.vision)
+            self.mm_projector = Projector(cfg.vision)
+        self.batch_invariant = False
+
+    @property
+    def has_vision(self) -> bool:
+        return self.cfg.vision is not None
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        """Patches of several images → each image's placeholder embeddings [h·w / 4, hidden], in order."""
+        features = self.mm_projector(self.vision_tower(pixel_values, grids))
+        kh, kw = self.cfg.vision.merge_kernel
+        return list(features.split([(h // kh) * (w // kw) for _, h, w in grids]))
+
+    def _mode(self):
+        return batch_invariant.mode() if self.batch_invariant else contextlib.nullcontext()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+        with self._mode():
+            return self.model(batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        with self._mode():
+            return self.lm_head(hidden).float()
 
     def _anchor(self) -> torch.Tensor:
         """A weight in the model's dtype on its device: the embedding, or in a pipeline stage that has none (its

@@ -38,6 +38,7 @@ class CheckpointError(ValueError):
 
 # (pattern, replacement) applied in order to every checkpoint name.
 _RENAMES: list[tuple[re.Pattern, str]] = [
+    (re.compile(r"^language_model\."), ""),  # multimodal wrappers (K2.5, K3) nest the decoder
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
     (re.compile(r"\.self_attn\.forget_gate\."), ".self_attn."),
 ]
@@ -74,7 +75,7 @@ def fused_names(model: nn.Module) -> dict[str, tuple[str, Any]]:
 @contextlib.contextmanager
 def skip_init() -> Iterator[None]:
     """Build modules without running their random init: every value is about to be overwritten."""
-    classes = (nn.Linear, nn.Embedding, nn.Conv1d, nn.LayerNorm)
+    classes = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.LayerNorm)
     saved = {cls: cls.reset_parameters for cls in classes}
     try:
         for cls in classes:
@@ -117,7 +118,7 @@ def load_weights(
     """Stream every tensor of the checkpoint into `model`; raise one error listing all problems.
 
     A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0);
-    `skip` names checkpoint tensors the model does not hold (a pipeline stage's: other stages' layers).
+    `skip` names (Kestrel's names) the model does not hold: a pipeline stage's other stages' layers.
     A model on the meta device reads no tensor data: only names and shapes are checked (`check_checkpoint`).
     """
     path = Path(path)
@@ -136,11 +137,11 @@ def load_weights(
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for ckpt_name in f.keys():
-                    if (m := _LAYER.match(ckpt_name)) and int(m.group(1)) >= n_layers:
-                        continue  # e.g. DeepSeek's multi-token-prediction layer: not part of the decoder
-                    if skip is not None and skip(ckpt_name):
-                        continue
                     name, shard = map_checkpoint_name(ckpt_name, fused)
+                    if (m := _LAYER.match(name)) and int(m.group(1)) >= n_layers:
+                        continue  # e.g. DeepSeek's multi-token-prediction layer: not part of the decoder
+                    if skip is not None and skip(name):
+                        continue
                     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                         continue
                     target = params.get(name)

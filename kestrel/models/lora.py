@@ -296,6 +296,19 @@ class _ExpertsHook:
             total = d if total is None else total + d
         return total
 
+    def expert_delta(self, expert: int, proj: str, inp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | float:
+        """The LoRA term of one expert's projection on its rows (batch-invariant mode, one expert at a time)."""
+        total: torch.Tensor | float = 0.0
+        for slot, rows in self.manager.segments:
+            entry = self.entries.get(slot, {}).get(proj)
+            if entry is None or entry[0][expert] is None:
+                continue
+            h = F.linear(inp, entry[0][expert])
+            if rows is not None:
+                h = h * rows[tokens]
+            total = total + F.linear(h, entry[1][expert]) * entry[2]
+        return total
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`expert_segments` with the LoRA terms added to each pair's gate, up and down outputs."""
         m = self.module

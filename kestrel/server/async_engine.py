@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kestrel.disagg.role import BootstrapTarget
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.engine.grammar import GrammarBackend
 from kestrel.engine.request import Request
@@ -44,7 +45,6 @@ class SeqDelta:
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    routed_experts: list[dict[int, list[int]]] | None = None
     finish_reason: str | None = None
     reset: bool = False  # the sequence was retracted: forget what earlier events sent, this one starts over
     weight_version: str | None = None
@@ -103,6 +103,9 @@ class _Add:
     arrival: float
     lora: str | None = None
     restartable: bool = False  # the consumer takes `reset` deltas (else a retracted stream that sent text aborts)
+    bootstrap: BootstrapTarget | None = None
+    images: list | None = None  # the prompt's ProcessedImages (kestrel.models.vision)
+    indexer_topk: bool = False
 
 
 @dataclass
@@ -134,6 +137,7 @@ class AsyncEngine:
         self.max_running_requests = engine.config.max_running_requests
         self.engine_config = engine.config
         self.lora_adapters: dict[str, str] = dict(engine.lora_paths)  # loop thread's copy: name -> path
+        self.vision = engine.model_config.vision if engine.supports_images else None
         self.lora_versions = {name: e.describe() for name, e in engine.adapters.public.items()}  # loop thread's copy
         self.weight_version = engine.weight_version  # loop thread's copy, updated when a sync completes
         self.paused: str | None = None  # loop thread's copy of the pause mode
@@ -178,7 +182,10 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        if self._engine.disagg is not None:  # rooms change on the bootstrap server's threads too, engine idle or not
+            stats |= self._engine.disagg.stats()
+        return stats
 
     def num_queued(self) -> int:
         """Sequences waiting for admission, counting submissions the engine has not seen yet."""
@@ -223,6 +230,9 @@ class AsyncEngine:
         events: asyncio.Queue | None = None,
         lora: str | None = None,
         restartable: bool = False,
+        bootstrap: BootstrapTarget | None = None,
+        images: list | None = None,
+        indexer_topk: bool = False,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -234,7 +244,11 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora, restartable))
+        now = time.monotonic()
+        add = _Add(
+            stream, prompt_ids, params, deltas, routed_experts, now, lora, restartable, bootstrap, images, indexer_topk
+        )
+        self._inbox.put(add)
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -352,6 +366,8 @@ class AsyncEngine:
                 if engine.has_unfinished and self._paused is None:
                     result = engine.step()
                     self._collect(result.advanced, result.finished, out)
+                    for record in result.transfers:
+                        self.metrics.observe_transfer(record)
             except Exception:  # a bug in a step must not hang every client: fail them, keep serving
                 log.exception("engine step failed; aborting all requests")
                 self._abort_all(out, "internal engine error", status=500)
@@ -383,7 +399,14 @@ class AsyncEngine:
         self._added += cmd.params.n
         try:
             self._engine.add_request(
-                cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts, lora_name=cmd.lora
+                cmd.prompt_ids,
+                cmd.params,
+                rid,
+                return_routed_experts=cmd.routed_experts,
+                lora_name=cmd.lora,
+                bootstrap=cmd.bootstrap,
+                images=cmd.images,
+                return_indexer_topk=cmd.indexer_topk,
             )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))
@@ -568,7 +591,6 @@ class AsyncEngine:
                     text=req.output_text[c0:],
                     logprobs=req.logprobs[t0:] if with_lp else None,
                     top_logprobs=req.top_logprobs[t0:] if with_lp else None,
-                    routed_experts=req.routed_experts[t0:] if req.routed_experts is not None else None,
                     finish_reason=req.finish_reason if req.is_finished else None,
                     reset=track.reset[i],
                     weight_version=req.weight_version,

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request as HTTPRequest
 
+from kestrel.disagg.role import FAKE_BOOTSTRAP_HOST, BootstrapTarget
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.builtin import builtin_model_path
 from kestrel.server.args import ServerConfig
@@ -106,8 +107,12 @@ async def health_generate(ctx: ServingContext, client: HTTPRequest) -> Response:
     if not ctx.engine.alive:
         raise APIError(503, "the engine is not running")
     params = SamplingParams(max_tokens=1, temperature=0.0)
+    # A disaggregated worker checks itself alone, as SGLang's: the fake transfer stands in for the other half.
+    boot = None
+    if ctx.engine.engine_config.disaggregation_mode != "null":
+        boot = BootstrapTarget(FAKE_BOOTSTRAP_HOST, 0, uuid.uuid4().int >> 65)
     try:
-        gen = Generation(ctx, [f"HEALTH_CHECK_{uuid.uuid4().hex}"], [[0]], params, deltas=False)
+        gen = Generation(ctx, [f"HEALTH_CHECK_{uuid.uuid4().hex}"], [[0]], params, deltas=False, bootstraps=[boot])
     except APIError as exc:
         raise APIError(503, f"health check generation refused: {exc.message}") from None
     try:

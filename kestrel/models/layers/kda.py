@@ -12,6 +12,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, PrefillPhase
+from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_step, kda_steps, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
@@ -115,7 +116,8 @@ class KDAAttention(nn.Module):
     def decode(self, mixed, g, beta, conv_state, rec_state, in_place: bool = False):
         """One new token for each of B sequences, all at once: conv window, then one recurrent step."""
         window = torch.cat([conv_state, cast(mixed, conv_state.dtype)[:, :, None]], dim=-1)  # [B, 3C, kernel]
-        conv_out = F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))
+        w = self.conv1d.weight.squeeze(1)
+        conv_out = F.silu(batch_invariant.window_conv(window, w) if batch_invariant.active() else (window * w).sum(-1))
         q, k, v = self._qkv(conv_out)
         o, rec_state = kda_step(q, k, v, g, beta, rec_state, in_place)
         return o, window[:, :, 1:], rec_state
@@ -138,7 +140,8 @@ class KDAAttention(nn.Module):
         x[packed.conv_token_rows] = mixed
         x[packed.conv_history_rows] = conv_state.to(mixed.dtype).transpose(1, 2).reshape(-1, dim)
         q, k, v = self.packed_qkv(x, packed)
-        if packed.padded_width <= RECURRENT_MAX_TOKENS:
+        # Batch-invariant mode: the recurrent form everywhere, so a token's state update is the decode step's.
+        if packed.padded_width <= RECURRENT_MAX_TOKENS or batch_invariant.active():
             o, states = self._short_recurrent(q, k, v, g, beta, packed, rec_state)
         else:
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
+from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
@@ -109,6 +110,8 @@ class Experts(nn.Module):
         self.lora = None  # per-expert LoRA terms (kestrel.models.lora), added to each pair's outputs, never merged
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.active():
+            return batch_invariant.experts(x, ids, weights, self.one_expert)
         if self.lora is not None and self.lora.active():
             return self.lora.forward(x, ids, weights)
         if torch.compiler.is_compiling() and ids.numel() <= GATHERED_MAX_PAIRS:
@@ -120,6 +123,17 @@ class Experts(nn.Module):
         if ids.shape[0] == 1 and not torch.is_grad_enabled():  # batch-1 decode: see expert_pairs
             return expert_pairs(*args)
         return expert_segments(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
+
+    def one_expert(self, e: int, xs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Expert e on the rows routed to it (`tokens`: their token indices, for the rows' LoRA adapters)."""
+        lora = self.lora if self.lora is not None and self.lora.active() else None
+        gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
+        if lora is not None:
+            gate = gate + lora.expert_delta(e, "gate_proj", xs, tokens)
+            up = up + lora.expert_delta(e, "up_proj", xs, tokens)
+        h = self.act(gate, up)
+        y = F.linear(h, self.down_proj[e])
+        return y if lora is None else y + lora.expert_delta(e, "down_proj", h, tokens)
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each pair's expert weights gathered into two batched matmuls: inductor fuses the gather, no copy."""
