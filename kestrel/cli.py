@@ -325,11 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("model", nargs="?", default="kimi-k3.1-pro", help="preset name or checkpoint folder")
     lay = Layout()  # the preset's TP8 layout on 8 GB300; flags override it one field each
     for flag, about in (
-        ("gpus", "GPUs in all (tp × pp × replicas)"),
+        ("gpus", "GPUs in all (tp × pcp × pp × replicas)"),
         ("tp", "tensor-parallel GPUs per pipeline stage"),
         ("dcp", "decode context parallelism: MLA KV sharded by token"),
         ("dp_attn", "attention data-parallel groups within --tp"),
         ("ep", "expert parallelism within --tp"),
+        ("pcp", "prefill context parallelism: copies of each stage splitting every prefill"),
         ("pp", "pipeline stages"),
     ):
         pl.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(lay, flag), help=about)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kestrel.config import ConfigError
+from kestrel.dist.groups import PCP_SPLITS
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -138,6 +139,24 @@ class EngineConfig:
         default="alltoall",
         metadata={"help": "combining DCP partial attention outputs", "choices": ("alltoall", "allgather")},
     )
+    pcp: int = field(
+        default=1,
+        metadata={
+            "help": "prefill context parallelism: long prefills split by token over N copies of the model",
+            "aliases": ["--pcp-size"],
+        },
+    )
+    pcp_split: str = field(
+        default="zigzag",
+        metadata={"help": "prefill tokens to PCP ranks: zigzag (2N blocks) or roundrobin", "choices": PCP_SPLITS},
+    )
+    pcp_block: int = field(default=64, metadata={"help": "tokens per round-robin PCP block"})
+    pp: int = field(default=1, metadata={"help": "pipeline stages (layers split over them)", "aliases": ["--pp-size"]})
+    pp_partition: str | None = field(
+        default=None,
+        metadata={"help": "layers per stage, e.g. 3,1 (default: KESTREL_PP_LAYER_PARTITION, else even)"},
+    )
+    pp_micro_batches: int = field(default=0, metadata={"help": "micro-batches per step for stage overlap (0: --pp)"})
     enable_dp_attention: bool = field(
         default=False, metadata={"help": "SGLang's switch; --dp-size is then the attention-DP size (as --dp-attn)"}
     )
@@ -180,9 +199,15 @@ class EngineConfig:
         default=300.0, metadata={"help": "seconds a request may wait for its KV (either side) before it fails"}
     )
 
+    @property
+    def world(self) -> int:
+        """Processes the layout runs (one per rank)."""
+        return self.tp * self.pcp * self.pp
+
     def parallel_layout(self):
         """The `kestrel.dist` layout these options ask for."""
         from kestrel.dist.groups import ParallelLayout
+        from kestrel.dist.pp import configured_partition
 
         owners = tuple(int(x) for x in self.ep_expert_map.split(",")) if self.ep_expert_map else None
         return ParallelLayout(
@@ -190,10 +215,16 @@ class EngineConfig:
             ep=self.ep,
             dp_attn=self.dp_attn,
             dcp=self.dcp,
+            pcp=self.pcp,
+            pp=self.pp,
             expert_map=owners,
             dcp_interleave=self.dcp_interleave,
             dcp_candidates=self.dcp_topk_candidates,
             dcp_merge=self.dcp_merge,
+            pcp_split=self.pcp_split,
+            pcp_block=self.pcp_block,
+            pp_partition=configured_partition(self.pp_partition, self.pp),
+            pp_micro_batches=self.pp_micro_batches,
         )
 
     def __post_init__(self) -> None:
@@ -225,7 +256,7 @@ class EngineConfig:
         need(2 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens", "must be in [2, 16]")
         need(self.speculative_draft_window_size >= 1, "speculative_draft_window_size", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
-        for name in ("tp", "ep", "dp_attn", "dcp", "dcp_interleave", "dcp_topk_candidates", "nnodes"):
+        for name in ("tp", "ep", "dp_attn", "dcp", "dcp_interleave", "dcp_topk_candidates", "pcp", "pp", "nnodes"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         need(self.tp % self.dcp == 0, "dcp", f"must divide --tp ({self.tp})")
         need(
@@ -246,7 +277,11 @@ class EngineConfig:
         need(self.disaggregation_transfer_timeout > 0, "disaggregation_transfer_timeout", "must be > 0 seconds")
         if self.disaggregation_mode != "null":
             # The transfer maps one page table and one state slot per request onto the peer's: one rank each side.
-            need(self.tp == 1 and self.dcp == 1, "disaggregation_mode", "needs --tp 1 (one rank per worker) for now")
+            need(
+                self.world == 1 and self.dcp == 1,
+                "disaggregation_mode",
+                "needs one rank per worker (--tp/--pcp/--pp 1) for now",
+            )
             need(self.nnodes == 1, "disaggregation_mode", "needs --nnodes 1 for now")
         if self.ep_expert_map is not None:
             owners = self.ep_expert_map.split(",")
@@ -263,20 +298,25 @@ class EngineConfig:
         need(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         if self.enable_lora:
             need(not self.compile, "compile", "not supported with --enable-lora yet")
-            need(self.tp == 1, "tp", "--enable-lora needs --tp 1 for now")
-        if self.tp > 1:
-            need(not self.compile, "compile", "not supported with --tp > 1 yet")
-            need(self.hicache_size == 0 and self.hicache_storage_dir is None, "hicache_size", "not with --tp > 1 yet")
-            need(self.speculative_algorithm is None, "speculative_algorithm", "not with --tp > 1 yet")
+            need(self.world == 1, "tp", "--enable-lora needs one process (--tp/--pcp/--pp 1) for now")
+        if self.world > 1:
+            need(not self.compile, "compile", "not supported with --tp/--pcp/--pp > 1 yet")
+            need(
+                self.hicache_size == 0 and self.hicache_storage_dir is None,
+                "hicache_size",
+                "not with --tp/--pcp/--pp > 1 yet",
+            )
+            need(self.speculative_algorithm is None, "speculative_algorithm", "not with --tp/--pcp/--pp > 1 yet")
         if self.deterministic_inference:
             why = "not supported with --deterministic-inference yet"
             need(not self.compile, "compile", why + " (inductor fuses ops into other reduction orders)")
             need(self.kv_cache_dtype == "auto", "kv_cache_dtype", "must be auto with --deterministic-inference")
             need(self.speculative_algorithm is None, "speculative_algorithm", why)
-            need(self.tp == 1 and self.nnodes == 1, "tp", why)
+            need(self.world == 1 and self.nnodes == 1, "tp", why + " (one process: --tp/--pcp/--pp 1)")
         if self.enable_return_routed_experts or self.enable_return_indexer_topk:
             need(self.dp_attn == 1 and not self.enable_dp_attention, "dp_attn", "not with rollout capture yet")
             need(self.dcp == 1, "dcp", "not with rollout capture yet")
+            need(self.pcp == 1 and self.pp == 1, "pcp" if self.pcp > 1 else "pp", "not with rollout capture yet")
             # A decode worker receives pages, not the prefill worker's records of them.
             need(self.disaggregation_mode == "null", "disaggregation_mode", "not with rollout capture yet")
         need(

@@ -26,6 +26,7 @@ from kestrel.disagg.messages import FirstToken
 from kestrel.disagg.role import BootstrapTarget, TransferRecord, build_role
 from kestrel.dist.dp_scheduler import dp_scheduling
 from kestrel.dist.engine_ranks import engine_groups
+from kestrel.dist.pp import stage_configs
 from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
@@ -135,7 +136,11 @@ class Engine:
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         num_slots = self._num_slots()
-        self.kv_bytes_per_token = kv_bytes_per_token(cfg, DTYPES[config.dtype], config.kv_cache_dtype) // config.dcp
+        # Per rank: DCP shards every page's tokens; pipeline stages hold their layers' pools only (the fullest one
+        # bounds the pool every stage allocates).
+        views = [cfg] if self.groups is None else stage_configs(cfg, self.groups.layout)
+        kv_dtype, kv_format = DTYPES[config.dtype], config.kv_cache_dtype
+        self.kv_bytes_per_token = max(kv_bytes_per_token(v, kv_dtype, kv_format) for v in views) // config.dcp
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers

@@ -251,8 +251,9 @@ class ModelRunner:
         """The prefix cache's access to the pools (a distributed runner replays its state copies on every rank)."""
         return PoolIO(self.kv, self.states, self.page_size, self.records)
 
-    def build(self, inputs: StepInputs) -> tuple[ForwardBatch, torch.Tensor]:
-        """Lists → one metadata tensor (copied to the device once) → ForwardBatch with its paged cache view."""
+    def build(self, inputs: StepInputs, decode_rows: int | None = None) -> tuple[ForwardBatch, torch.Tensor]:
+        """Lists → one metadata tensor (copied to the device once) → ForwardBatch with its paged cache view
+        (`decode_rows`: see `ForwardBatch.decode_rows`)."""
         ps, hist, b = self.page_size, inputs.history_lens, len(inputs.history_lens)
         width = -(-max(hist) // ps)
         table = [self.scratch_page] * (b * width)
@@ -267,7 +268,7 @@ class ModelRunner:
             [t, t, t, b * width, b, b, len(rows), b]
         )
         slot_table = (table_t.view(b, width, 1) * ps + self._offsets).view(b, width * ps)
-        batch = ForwardBatch(ids_t, pos_t, inputs.extend_lens, inputs.prefix_lens)
+        batch = ForwardBatch(ids_t, pos_t, inputs.extend_lens, inputs.prefix_lens, decode_rows=decode_rows)
         if any(inputs.snapshots):
             batch.state_snapshots = inputs.snapshots
         slots, first = inputs.state_slots, inputs.state_slots[0]

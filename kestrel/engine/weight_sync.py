@@ -33,7 +33,7 @@ _IDENTITY |= {"num_computed_tokens", "num_preemptions"}  # counters of work done
 def reload_weights(engine: Engine, path: Path, cache_namespace: str) -> None:
     """Check, then load the checkpoint at `path` into the engine's model in place and flush the prefix cache."""
     if engine.groups is not None:
-        raise ValueError("model_path: reloading weights is not supported with --tp / --ep / --dp-attn > 1 yet")
+        raise ValueError("model_path: reloading weights is not supported with more than one rank (--tp/--pcp/--pp) yet")
     if running := engine.started_requests():
         raise ValueError(f"model_path: {len(running)} request(s) started on the current weights; finish, abort or "
                          "retract them first")  # fmt: skip

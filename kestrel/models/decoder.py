@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,6 +19,15 @@ from kestrel.models.layers.moe import DenseMLP, MoE
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding
 from kestrel.models.vision.moonvit import Grid, MoonViT, Projector
+
+
+@dataclass
+class Residual:
+    """The residual stream between two layers: the hidden states [T, d], or under AttnRes the running partial sum
+    and the bank of block snapshots (what one pipeline stage hands the next)."""
+
+    hidden: torch.Tensor
+    bank: list[torch.Tensor] = field(default_factory=list)
 
 
 class DecoderLayer(nn.Module):
@@ -101,26 +112,40 @@ class DecoderModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.finish(self.run_layers(self.embed(batch), batch, self.layers))
+
+    def embed(self, batch: ForwardBatch) -> Residual:
+        """The stream before the first layer: the embeddings (AttnRes: the partial, with an empty bank)."""
         h = self.embed_tokens(batch.input_ids)
         if batch.mm_embeds is not None:  # image placeholders take the projected image features
             h = h.index_copy(0, batch.mm_rows, batch.mm_embeds.to(h.dtype))
-        rope = self.rotary(batch.positions, h.dtype) if self.rotary is not None else None
+        return Residual(h)
+
+    def run_layers(self, res: Residual, batch: ForwardBatch, layers: Iterable[DecoderLayer]) -> Residual:
+        """Carry the stream through `layers` (all of them, or one pipeline stage's run of them)."""
+        rope = self.rotary(batch.positions, res.hidden.dtype) if self.rotary is not None else None
         capture = batch.captured if batch.captured is not None else {}
         if not self.cfg.attn_res_block_size:
-            for layer in self.layers:
+            h = res.hidden
+            for layer in layers:
                 h = layer(h, batch, rope)
                 if layer.layer_id in batch.capture_layers:
                     capture[layer.layer_id] = h
-            return self.norm(h)
-        bank: list[torch.Tensor] = []
-        partial = h
-        for layer in self.layers:
+            return Residual(h)
+        bank, partial = list(res.bank), res.hidden
+        for layer in layers:
             partial = layer.forward_attn_res(partial, bank, batch, rope)
             if layer.layer_id in batch.capture_layers:  # the residual stream: every block's sum + the partial
                 capture[layer.layer_id] = partial + sum(bank[1:], bank[0]) if bank else partial
+        return Residual(partial, bank)
+
+    def finish(self, res: Residual) -> torch.Tensor:
+        """The final norm (AttnRes: over the output mix of the bank and the partial)."""
+        if not self.cfg.attn_res_block_size:
+            return self.norm(res.hidden)
         eps = self.cfg.rms_norm_eps
         return self.norm(
-            attn_res_mix(partial, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, eps)
+            attn_res_mix(res.hidden, res.bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, eps)
         )
 
 
@@ -142,6 +167,7 @@ class CausalLM(nn.Module):
         if cfg.vision is not None:
             self.vision_tower = MoonViT(cfg.vision)
             self.mm_projector = Projector(cfg.vision)
+        self.batch_invariant = False
 
     @property
     def has_vision(self) -> bool:
@@ -152,7 +178,6 @@ class CausalLM(nn.Module):
         features = self.mm_projector(self.vision_tower(pixel_values, grids))
         kh, kw = self.cfg.vision.merge_kernel
         return list(features.split([(h // kh) * (w // kw) for _, h, w in grids]))
-        self.batch_invariant = False
 
     def _mode(self):
         return batch_invariant.mode() if self.batch_invariant else contextlib.nullcontext()
@@ -165,10 +190,17 @@ class CausalLM(nn.Module):
         with self._mode():
             return self.lm_head(hidden).float()
 
+    def _anchor(self) -> torch.Tensor:
+        """A weight in the model's dtype on its device: the embedding, or in a pipeline stage that has none (its
+        other layers are other ranks'), the first layer norm it holds."""
+        if self.model.embed_tokens is not None:
+            return self.model.embed_tokens.weight
+        return next(layer.input_layernorm.weight for layer in self.model.layers if isinstance(layer, DecoderLayer))
+
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self._anchor().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self._anchor().dtype

@@ -142,6 +142,9 @@ class ForwardBatch:
     # Images: the embeddings of flat rows `mm_rows` [M] are replaced by `mm_embeds` [M, d] (projected features).
     mm_rows: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
+    # At most this many leading one-token sequences are decode rows (None: all of them). A pipeline micro-batch or a
+    # prefill-context rank's share of a prompt may begin with a one-token piece of a prefill, which is no decode row.
+    decode_rows: int | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
     _leading_single: int = field(default=0, repr=False)
     _packed: dict[tuple[int, int], PackedPrefill] = field(default_factory=dict, repr=False)
@@ -155,6 +158,8 @@ class ForwardBatch:
                 leading += 1
             starts.append(total)
             total += n
+        if self.decode_rows is not None:
+            leading = min(leading, self.decode_rows)
         if total != self.input_ids.shape[0]:
             raise ValueError(f"extend_lens sum to {total} but input_ids has {self.input_ids.shape[0]} tokens")
         self._starts, self._leading_single = starts, leading

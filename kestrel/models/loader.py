@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,10 +112,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> None:
+def load_weights(
+    model: CausalLM, path: str | Path, progress: bool = True, skip: Callable[[str], bool] | None = None
+) -> None:
     """Stream every tensor of the checkpoint into `model`; raise one error listing all problems.
 
-    A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0).
+    A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0);
+    `skip` names (Kestrel's names) the model does not hold: a pipeline stage's other stages' layers.
     A model on the meta device reads no tensor data: only names and shapes are checked (`check_checkpoint`).
     """
     path = Path(path)
@@ -137,6 +140,8 @@ def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> No
                     name, shard = map_checkpoint_name(ckpt_name, fused)
                     if (m := _LAYER.match(name)) and int(m.group(1)) >= n_layers:
                         continue  # e.g. DeepSeek's multi-token-prediction layer: not part of the decoder
+                    if skip is not None and skip(name):
+                        continue
                     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                         continue
                     target = params.get(name)

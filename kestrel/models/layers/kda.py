@@ -135,16 +135,11 @@ class KDAAttention(nn.Module):
         mixed, g, beta: the prefill rows; conv_state / rec_state: their sequences' states. Hands mid-prefill states
         to the cache as snapshots and returns (outputs [rows, H, V], final conv states, final recurrent states).
         """
-        keep, dim = self.kernel - 1, self.conv_dim
+        dim = self.conv_dim
         x = mixed.new_empty(packed.conv_len, dim)
         x[packed.conv_token_rows] = mixed
         x[packed.conv_history_rows] = conv_state.to(mixed.dtype).transpose(1, 2).reshape(-1, dim)
-        # Depthwise causal conv as kernel shifted multiply-adds over the channels-last run, read at the token rows.
-        w, span = self.conv1d.weight.squeeze(1), packed.conv_len - keep
-        conv = x[:span] * w[:, 0]
-        for j in range(1, self.kernel):
-            conv = conv.addcmul(x[j : j + span], w[:, j])
-        q, k, v = self._qkv(F.silu(conv.index_select(0, packed.conv_out_rows)))
+        q, k, v = self.packed_qkv(x, packed)
         # Batch-invariant mode: the recurrent form everywhere, so a token's state update is the decode step's.
         if packed.padded_width <= RECURRENT_MAX_TOKENS or batch_invariant.active():
             o, states = self._short_recurrent(q, k, v, g, beta, packed, rec_state)
@@ -171,6 +166,15 @@ class KDAAttention(nn.Module):
             cache.store_state_snapshots(self.layer_id, seqs, indices, snap_convs, torch.stack(snap_states))
         finals = packed.final_segments
         return o, convs.index_select(0, finals), torch.stack([states[i] for i in finals.tolist()])
+
+    def packed_qkv(self, x: torch.Tensor, packed: PackedPrefill):
+        """q, k, v of the prefill tokens from the conv layout x [conv_len, 3C] (cached inputs in front of each
+        sequence): the depthwise causal conv as kernel shifted multiply-adds over the channels-last run."""
+        w, span = self.conv1d.weight.squeeze(1), packed.conv_len - (self.kernel - 1)
+        conv = x[:span] * w[:, 0]
+        for j in range(1, self.kernel):
+            conv = conv.addcmul(x[j : j + span], w[:, j])
+        return self._qkv(F.silu(conv.index_select(0, packed.conv_out_rows)))
 
     def _short_recurrent(self, q, k, v, g, beta, packed: PackedPrefill, rec_state):
         """Short sequences token by token over a right-padded batch (padding has k = 0, β = 0, g = 0, so each
