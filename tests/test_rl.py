@@ -222,12 +222,12 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny, engine, tmp_pa
 
 def test_two_data_parallel_ranks_train_the_adapter_one_rank_does(tiny, engine, tmp_path, three_steps):
     _, straight, straight_out = three_steps
-    states = spawn_ranks(train_rank, ParallelLayout(tp=2), _job(tiny, engine, tmp_path, "dp2"))
-    assert [r["reward"] for r in states[0].history] == [r["reward"] for r in straight.history]
-    assert all(row["train_rollout_logprob_abs_diff_max"] == 0.0 for row in states[0].history)
+    (state, _) = spawn_ranks(train_rank, ParallelLayout(tp=2), _job(tiny, engine, tmp_path, "dp2"))
+    assert [r["reward"] for r in state.history] == [r["reward"] for r in straight.history]
+    assert all(row["train_rollout_logprob_abs_diff_max"] == 0.0 for row in state.history)
     # The all-reduced gradients are one rank's summed in another order: fp32 rounding (a missing all-reduce or a
     # rank-local token mean would change their norm by ~2x).
-    for two, one in zip(states[0].history, straight.history):
+    for two, one in zip(state.history, straight.history):
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
     # AdamW's m / sqrt(v) magnifies that rounding where a gradient is near zero: after 6 updates at lr 2e-2 the
     # adapters agree to 5e-5 (of weights up to 0.25); a wrong gradient moves them by ~lr per update.
@@ -251,9 +251,10 @@ def test_a_rank_that_dies_stops_the_job(tiny, engine, tmp_path):
     assert time.monotonic() - start < 60
 
 
-def test_cli_rl_starts_its_own_engine_trains_and_stops_it(tiny, tmp_path, capsys):
+def test_cli_rl_starts_its_own_engine_trains_on_two_ranks_and_stops_it(tiny, tmp_path, capsys):
     out = tmp_path / "cli"
-    assert main(["rl", "--recipe", "tiny", "--model", tiny, "--steps", "1", "--out", str(out)]) == 0
+    # --nproc 2: the launcher's ranks; rank 1's loop ends while rank 0 still saves, which is a finish, not a death.
+    assert main(["rl", "--recipe", "tiny", "--model", tiny, "--steps", "1", "--nproc", "2", "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.split("\nadapter: ")[0])
     assert summary["steps"] == 1 and summary["train_rollout_logprob_abs_diff_max"] == 0.0
     log = (out / "engine.log").read_text()

@@ -518,6 +518,7 @@ def _train(job: RLJob, nproc: int, dist_timeout: float) -> RLState:
         functools.partial(_follow, job=job),
         torch.device(job.device),
         dist_timeout,
+        followers_finish=True,  # rank 1.. end their loop while rank 0 still saves and plots
     )
 
 
