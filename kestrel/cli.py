@@ -206,7 +206,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     import json
 
     from kestrel.train.recipes import RL_RECIPES
-    from kestrel.train.rl import RLJob, run_rl, ship_adapter, summarize
+    from kestrel.train.rl import RLJob, run_rl
+    from kestrel.train.rl_ship import ship_adapter, summarize
     from kestrel.train.rollout_client import RolloutError
 
     recipe = RL_RECIPES[args.recipe]

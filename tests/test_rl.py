@@ -32,7 +32,8 @@ from kestrel.spec.draft import weights_sha256
 from kestrel.train.data import arithmetic_episode, tool_episode
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
-from kestrel.train.rl import SUMMARY_FILE, GRPOTrainer, RLJob, check_config, run_rl, ship_adapter, train_rank
+from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
+from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
 from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum
 from kestrel.train.routing_replay import sequence_logprobs
