@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.train.data import MINI_MIX, Source
 from kestrel.train.sft import SFTConfig
 
 
@@ -77,6 +78,7 @@ class Recipe:
     train_episodes: int
     eval_episodes: int
     sft: SFTConfig = field(default_factory=SFTConfig)
+    data: tuple[Source, ...] = MINI_MIX  # the weighted episode sources; add one to widen the mix
 
 
 RECIPES = {

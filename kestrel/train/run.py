@@ -12,13 +12,13 @@ import torch
 from kestrel.models.builtin import EMBEDDED_DIR
 from kestrel.models.checkpoint import save_checkpoint
 from kestrel.tokenizer import save_tokenizer
-from kestrel.train.data import episodes
+from kestrel.train.data import HELD_OUT, episodes
 from kestrel.train.recipes import RECIPES, k3_mini_config
 from kestrel.train.sft import SFTTrainer
 from kestrel.train.tokenizer import corpus_texts, train_tokenizer
 
 log = logging.getLogger(__name__)
-HELD_OUT_SEED = 10_000  # evaluation episodes come from a different stream than training
+HELD_OUT_SEED = 10_000  # the held-out loss is measured on held-out phrasings and slot values, another stream
 
 
 def run_sft(
@@ -34,8 +34,8 @@ def run_sft(
         recipe.sft.steps = steps
     if max_minutes is not None:
         recipe.sft.max_minutes = max_minutes
-    train = episodes(recipe.sft.seed, recipe.train_episodes)
-    held_out = episodes(HELD_OUT_SEED, recipe.eval_episodes)
+    train = episodes(recipe.sft.seed, recipe.train_episodes, recipe.data)
+    held_out = episodes(HELD_OUT_SEED, recipe.eval_episodes, recipe.data, HELD_OUT)
     out = Path(out_dir)
     tok_dir = out / "tokenizer"
     if (tok_dir / "tokenizer.json").exists():
