@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.train.synth.arithmetic import arithmetic_episode
-from kestrel.train.synth.episode import TRAIN, Episode, check_split, draw_in_split, split_of
+from kestrel.train.synth.episode import TRAIN, Episode, check_split, draw_in_split
 from kestrel.train.synth.phrasing import fill
 from kestrel.train.synth.places import place
 from kestrel.train.synth.tool_schemas import TOOL_NAMES, UNIT_GROUPS, run_tool, tool_schema
@@ -313,11 +313,3 @@ def _arithmetic_among_tools(rng: random.Random, split: str, effort: str | None |
     ep.tools, ep.kind = [tool_schema(n) for n in offered], "tools"
     ep.meta = {**ep.meta, "category": NO_TOOL, "intent": "arithmetic", "slots": {}}
     return ep
-
-
-def slot_values(ep: Episode) -> list[str]:
-    """The slot texts of an episode (what must never cross from held-out into training)."""
-    return [str(v) for v in ep.meta.get("slots", {}).values()]
-
-
-__all__ = ["CATEGORIES", "NO_TOOL", "Request", "request", "slot_values", "split_of", "tool_episode"]
