@@ -42,19 +42,24 @@ def kestrel_throughput(path: str, prompts, new_tokens: int) -> tuple[float, floa
     return produced / elapsed, elapsed
 
 
-def kestrel_itl(path: str, prompt, new_tokens: int, compile: bool = False) -> float:
+def kestrel_itl_runner(path: str, prompt, new_tokens: int, compile: bool = False):
+    """A function that generates `new_tokens` at batch 1 and returns the decode steps' durations (prefill excluded)."""
     from kestrel import LLM, SamplingParams
 
-    llm = LLM(path, max_total_tokens=len(prompt) + new_tokens + 64, compile=compile, compile_max_bs=1)
-    engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-    times = []
-    engine.step()  # prefill
-    while engine.has_unfinished:
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    engine = LLM(path, max_total_tokens=len(prompt) + new_tokens + 64, compile=compile, compile_max_bs=1).engine
+
+    def run() -> list[float]:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+        times = []
+        engine.step()  # prefill
+        while engine.has_unfinished:
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        return times
+
+    run()  # warm-up
+    return run
 
 
 def hf_generate(model, prompts, new_tokens: int, batch_size: int) -> float:
@@ -80,8 +85,8 @@ def hf_generate(model, prompts, new_tokens: int, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def hf_step_itl(model, prompt, new_tokens: int, repeats: int) -> float:
-    """Median seconds between consecutive tokens of batch-1 `generate`, timed per step.
+def hf_step_itl_runner(model, prompt, new_tokens: int):
+    """A function that runs batch-1 `generate` and returns the gaps between consecutive tokens.
 
     A stopping criterion is called once per generated token, after that step's forward, logits processing and
     sampling, so the gaps between its calls are the inter-token latencies a `generate` user sees.
@@ -96,8 +101,7 @@ def hf_step_itl(model, prompt, new_tokens: int, repeats: int) -> float:
             self.stamps.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    gaps = []
-    for _ in range(repeats):
+    def run() -> list[float]:
         clock = StepClock()
         with torch.no_grad():
             model.generate(
@@ -109,8 +113,19 @@ def hf_step_itl(model, prompt, new_tokens: int, repeats: int) -> float:
                 pad_token_id=0,
                 stopping_criteria=StoppingCriteriaList([clock]),
             )
-        gaps += [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    return statistics.median(gaps)
+        return [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+
+    run()  # warm-up
+    return run
+
+
+def interleaved_itl(runners: dict, rounds: int) -> dict[str, list[float]]:
+    """Median step time of each runner in each round, the runners taking turns (a shared machine's load drifts)."""
+    medians: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            medians[name].append(statistics.median(run()))
+    return medians
 
 
 def main() -> None:
@@ -122,7 +137,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,32")
     ap.add_argument("--itl-tokens", type=int, default=32)
-    ap.add_argument("--itl-repeats", type=int, default=3, help="transformers ITL: generate runs (median step gap)")
+    ap.add_argument("--itl-repeats", type=int, default=5, help="ITL rounds, engines taking turns (median of rounds)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled (--compile) batch-1 ITL")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: make-model kimi_linear small)")
     ap.add_argument("--out", default="benchmarks/results/offline_throughput.json")
@@ -141,9 +156,6 @@ def main() -> None:
     print(f"model {path}: {len(prompts)} prompts of {args.min_len}-{args.max_len} tokens, {args.new_tokens} new each")
 
     k_tps, k_time = kestrel_throughput(path, prompts, args.new_tokens)
-    k_itl = kestrel_itl(path, prompts[0], args.itl_tokens)
-    k_itl_compiled = None if args.no_compile else kestrel_itl(path, prompts[0], args.itl_tokens, compile=True)
-
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf_results = {}
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
@@ -151,7 +163,18 @@ def main() -> None:
         hf_results[bs] = len(prompts) * args.new_tokens / seconds
         print(f"  transformers batch {bs}: {hf_results[bs]:.1f} tok/s")
     best_bs = max(hf_results, key=hf_results.get)
-    hf_itl = hf_step_itl(hf, prompts[0], args.itl_tokens, args.itl_repeats)
+
+    runners = {
+        "kestrel": kestrel_itl_runner(path, prompts[0], args.itl_tokens),
+        "transformers": hf_step_itl_runner(hf, prompts[0], args.itl_tokens),
+    }
+    if not args.no_compile:
+        runners["kestrel_compiled"] = kestrel_itl_runner(path, prompts[0], args.itl_tokens, compile=True)
+    rounds = interleaved_itl(runners, args.itl_repeats)
+    k_itl, hf_itl = statistics.median(rounds["kestrel"]), statistics.median(rounds["transformers"])
+    k_itl_compiled = statistics.median(rounds["kestrel_compiled"]) if not args.no_compile else None
+    speedups = [h / k for h, k in zip(rounds["transformers"], rounds["kestrel"])]
+    print(f"  batch-1 ITL speedup per round: {', '.join(f'{x:.2f}' for x in speedups)}")
     result = {
         "threads": torch.get_num_threads(),
         "num_prompts": len(prompts),
@@ -164,6 +187,8 @@ def main() -> None:
         "kestrel_itl_ms": k_itl * 1e3,
         "transformers_itl_ms": hf_itl * 1e3,
         "itl_speedup": hf_itl / k_itl,
+        "itl_speedup_per_round": speedups,
+        "itl_rounds": args.itl_repeats,
     }
     if k_itl_compiled is not None:
         result |= {"kestrel_compiled_itl_ms": k_itl_compiled * 1e3, "compiled_itl_speedup": hf_itl / k_itl_compiled}

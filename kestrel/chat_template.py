@@ -7,6 +7,9 @@
     <|im_assistant|>assistant<|im_middle|><think>...</think>answer[TOOL_CALLS]<|im_end|>
     <|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n...<|im_end|>
 
+An image part of a message is `<|media_begin|>image<|media_content|><|media_pad|><|media_end|>` (Kimi K2.5's
+marker); the engine repeats `<|media_pad|>` once per merged patch of the image.
+
 Tool calls use the Kimi K2 section markers; a call's id is `functions.NAME:INDEX`.
 """
 
@@ -21,10 +24,19 @@ CALLS_BEGIN, CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_e
 CALL_BEGIN, CALL_ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 PAD = "<|pad|>"
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_pad|>",
+    "<|media_end|>",
+)
+IMAGE_MARKER = f"{MEDIA_BEGIN}image{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
+IMAGE_PART_TYPES = ("image_url", "image")  # OpenAI's part, and transformers' processor convention
 
 # Control tokens dropped from output text; the markers the parsers read must survive decoding.
 SPECIAL_TOKENS = [PAD, IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END]
 MARKER_TOKENS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_ARGS, CALL_END, THINK_BEGIN, THINK_END]
+MEDIA_TOKENS = [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END]  # control tokens too: dropped from output text
 REASONING_EFFORTS = ("low", "high", "max")
 GENERATION_PROMPT = f"{IM_ASSISTANT}assistant{IM_MIDDLE}"
 
@@ -48,8 +60,17 @@ def render_tool_calls(calls: list[dict[str, Any]]) -> str:
     return "".join(parts) + CALLS_END
 
 
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's content as template text: text parts in order, an image marker for each image part."""
+    if not content:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(IMAGE_MARKER if p["type"] in IMAGE_PART_TYPES else p.get("text", "") for p in content)
+
+
 def render_message(message: dict[str, Any]) -> str:
-    role, content = message["role"], message.get("content") or ""
+    role, content = message["role"], content_text(message.get("content"))
     if role == "system":
         return f"{IM_SYSTEM}system{IM_MIDDLE}{content}{IM_END}"
     if role == "user":
@@ -89,18 +110,22 @@ def render_chat(
 
 # The same rendering in Jinja, stored in tokenizer_config.json so `apply_chat_template` agrees (tested).
 JINJA_TEMPLATE = (
+    "{%- macro text(c) -%}{%- if c is string -%}{{ c }}{%- elif c -%}{%- for p in c -%}"
+    "{%- if p.type == 'text' -%}{{ p.text }}{%- elif p.type in ['image_url', 'image'] -%}"
+    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
     "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
     "{%- endif -%}"
     "{%- if reasoning_effort -%}<|im_system|>reasoning_effort<|im_middle|>{{ reasoning_effort }}<|im_end|>"
     "{%- endif -%}"
     "{%- for m in messages -%}"
-    "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ m.content or '' }}<|im_end|>"
-    "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content or '' }}<|im_end|>"
+    "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ text(m.content) }}<|im_end|>"
+    "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ text(m.content) }}<|im_end|>"
     "{%- elif m.role == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id or '' }}\n"
-    "{{ m.content or '' }}<|im_end|>"
+    "{{ text(m.content) }}<|im_end|>"
     "{%- elif m.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
     "{%- if m.reasoning_content -%}<think>{{ m.reasoning_content }}</think>{%- endif -%}"
-    "{{ m.content or '' }}"
+    "{{ text(m.content) }}"
     "{%- if m.tool_calls -%}<|tool_calls_section_begin|>"
     "{%- for c in m.tool_calls -%}<|tool_call_begin|>"
     "{{ c.id or ('functions.' ~ c.function.name ~ ':' ~ loop.index0) }}<|tool_call_argument_begin|>"

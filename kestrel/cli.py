@@ -16,6 +16,7 @@ from kestrel.engine.config import EngineConfig
 from kestrel.models.presets import FAMILIES
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 from kestrel.server.args import add_server_args
+from kestrel.train.recipes import RECIPES
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -200,9 +201,11 @@ def cmd_train_dflash(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.train.evaluate import EVALS, run_probes
+    from kestrel.train.vision_eval import eval_vision
 
     llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype)
-    tasks = [*EVALS, "probes"] if args.task == "all" else [args.task]
+    evals = {**EVALS, "vision": eval_vision}
+    tasks = [*EVALS, "probes"] if args.task == "all" else [args.task]  # all: the text tasks (vision needs a tower)
     report: dict = {}
     for task in tasks:
         if task == "probes":
@@ -210,7 +213,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             for row in report["probes"]:
                 print(f"probes: {'right' if row['right'] else 'WRONG'}: {row['question']!r} -> {row['output']!r}")
             continue
-        report[task] = EVALS[task](llm, args.n)
+        report[task] = evals[task](llm, args.n)
         for name, value in report[task].items():
             print(f"{task}/{name}: {value:.3f}")
     if args.json:
@@ -295,11 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("model", nargs="?", default="kimi-k3.1-pro", help="preset name or checkpoint folder")
     lay = Layout()  # the preset's TP8 layout on 8 GB300; flags override it one field each
     for flag, about in (
-        ("gpus", "GPUs in all (tp × pp × replicas)"),
+        ("gpus", "GPUs in all (tp × pcp × pp × replicas)"),
         ("tp", "tensor-parallel GPUs per pipeline stage"),
         ("dcp", "decode context parallelism: MLA KV sharded by token"),
         ("dp_attn", "attention data-parallel groups within --tp"),
         ("ep", "expert parallelism within --tp"),
+        ("pcp", "prefill context parallelism: copies of each stage splitting every prefill"),
         ("pp", "pipeline stages"),
     ):
         pl.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(lay, flag), help=about)
@@ -329,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "train", "sft: SFT on synthetic chat episodes; dflash: distil a speculative block draft for --target"
     )
     tr.add_argument("mode", choices=["sft", "dflash"])
-    tr.add_argument("--recipe", default="mini", choices=["mini", "tiny"], help="sft recipe")
+    tr.add_argument("--recipe", default="mini", choices=list(RECIPES), help="sft recipe")
     tr.add_argument("--target", default="kestrel-mini", help="dflash: target model (kestrel-mini or a folder)")
     tr.add_argument("--out", default=None, help="default: out/sft-mini or out/dflash-mini")
     tr.add_argument("--steps", type=int, default=None)
@@ -338,11 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
 
     ev = add_command(
-        sub, "eval", "held-out accuracy per category (default: the built-in model): arithmetic, tool calling"
+        sub, "eval", "held-out accuracy per category (default: the built-in model): arithmetic, tool calling, vision"
     )
     ev.add_argument("model", nargs="?", default=None)
-    tasks = ["arithmetic", "tools", "probes", "all"]
-    ev.add_argument("--task", required=True, choices=tasks, help="probes: the failures issue 18 reported")
+    tasks = ["arithmetic", "tools", "vision", "probes", "all"]
+    ev.add_argument(
+        "--task", required=True, choices=tasks, help="probes: the failures issue 18 reported; all: the text tasks"
+    )
     ev.add_argument("-n", type=int, default=200, help="questions per category")
     ev.add_argument("--json", default=None, help="also write the scores to this file")
     ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")

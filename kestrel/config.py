@@ -12,9 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "kimi_k3", "deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "kimi_k3", "deepseek_v3", "kimi_k2", "kimi_k25")
 # DeepSeek-V3 architecture (Kimi K2 checkpoints name it `kimi_k2`): plain MLA on every layer, no indexer.
 DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")
+# Multimodal wrappers: {"text_config": ..., "vision_config": ...}. Kimi K2.5 / K2.6 (`kimi_k25`) wrap a DeepSeek-V3
+# text model and always carry a MoonViT tower; K3 may.
+MULTIMODAL_TYPES = ("kimi_k3", "kimi_k25")
 LAYER_KINDS = ("kda", "mla", "dsa")
 
 
@@ -36,6 +39,135 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+
+
+@dataclass
+class VisionConfig:
+    """MoonViT (Kimi K2.5 / K3): patch embedding, encoder, 2x2 merger, projector; and how images are preprocessed.
+
+    Read from `vision_config` (transformers' names or the original `vt_*` / `init_pos_emb_*` ones) plus the
+    top-level projector and token fields; preprocessing defaults are `Kimi_K25ImageProcessor`'s.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    text_hidden_size: int
+    patch_size: int = 14
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    pos_emb_time: int = 4
+    merge_kernel: tuple[int, int] = (2, 2)
+    rope_theta: float = 10000.0
+    hidden_act: str = "gelu_pytorch_tanh"
+    projection_hidden_size: int = 0  # the projector's LayerNorm width (= hidden_size)
+    projection_eps: float = 1e-5
+    image_token_id: int = 163605  # <|media_pad|>, repeated once per merged patch
+    max_patches: int = 16384  # the resize keeps at most this many 14-px patches ...
+    max_patches_per_side: int = 512  # ... and at most this many along either side
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    def __post_init__(self) -> None:
+        self.merge_kernel = tuple(self.merge_kernel)
+        self.projection_hidden_size = self.projection_hidden_size or self.hidden_size
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def merge_area(self) -> int:
+        return self.merge_kernel[0] * self.merge_kernel[1]
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, why: str) -> None:
+            if not cond:
+                raise ConfigError(f"config field 'vision_config.{name}': {why}")
+
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name, "must be a positive int")
+        for name in ("pos_emb_height", "pos_emb_width", "pos_emb_time", "max_patches", "max_patches_per_side"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.hidden_size % self.num_attention_heads == 0, "num_attention_heads", "must divide hidden_size")
+        need(self.head_dim % 4 == 0, "hidden_size", "head dim must be a multiple of 4 (2-D rotary: h and w halves)")
+        need(len(self.merge_kernel) == 2 and min(self.merge_kernel) >= 1, "merge_kernel_size", "two sizes >= 1")
+        need(self.hidden_act in VISION_ACTIVATIONS, "hidden_act", f"one of {VISION_ACTIVATIONS}")
+        need(
+            self.projection_hidden_size == self.hidden_size,
+            "mm_hidden_size",
+            f"the projector normalises tower outputs: must equal hidden_size {self.hidden_size}",
+        )
+
+
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+# Other MoonViT variants a `vision_config` may describe; refused by name rather than served with the wrong math.
+_VISION_FIXED = {
+    "norm_type": ("layernorm",),
+    "mm_projector_type": ("patchmerger",),
+    "pos_emb_type": ("divided_fixed",),
+    "pos_emb_interpolation_mode": ("bicubic",),
+    "merge_type": ("sd2_tpool",),
+    "mlp_type": ("mlp2", "mlp"),
+    "attn_bias": (True,),
+    "linear_bias": (True,),
+    "patch_embed_proj_bias": (True,),
+}
+
+
+def vision_config_from_dict(
+    vision: dict[str, Any], top: dict[str, Any], text_hidden_size: int, preprocessor: dict[str, Any] | None = None
+) -> VisionConfig:
+    """`vision_config` + the wrapper's top-level fields (+ `preprocessor_config.json`) → `VisionConfig`."""
+    if not isinstance(vision, dict):
+        raise ConfigError("config field 'vision_config': must be an object")
+    for name, allowed in _VISION_FIXED.items():
+        if name in vision and vision[name] not in allowed:
+            raise ConfigError(
+                f"config field 'vision_config.{name}': unsupported {vision[name]!r} (supported: {allowed})"
+            )
+    qkv = vision.get("qkv_hidden_size")
+    hidden = _first(vision, "hidden_size", "vt_hidden_size")
+    if qkv is not None and qkv != hidden:
+        raise ConfigError("config field 'vision_config.qkv_hidden_size': must equal hidden_size (no wider attention)")
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"config field 'vision_config.rope_parameters.rope_type': unsupported {rope['rope_type']!r}")
+    missing = [n for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")]
+    missing = [n for n in missing if _first(vision, n, f"vt_{n}") is None]
+    if missing:
+        raise ConfigError(f"config field 'vision_config.{missing[0]}': missing")
+    pre = preprocessor or {}
+    size = pre.get("size") or {}
+    return VisionConfig(
+        hidden_size=int(hidden),
+        num_hidden_layers=int(_first(vision, "num_hidden_layers", "vt_num_hidden_layers")),
+        num_attention_heads=int(_first(vision, "num_attention_heads", "vt_num_attention_heads")),
+        intermediate_size=int(_first(vision, "intermediate_size", "vt_intermediate_size")),
+        text_hidden_size=text_hidden_size,
+        patch_size=int(_first(vision, "patch_size", default=14)),
+        pos_emb_height=int(_first(vision, "pos_emb_height", "init_pos_emb_height", default=64)),
+        pos_emb_width=int(_first(vision, "pos_emb_width", "init_pos_emb_width", default=64)),
+        pos_emb_time=int(_first(vision, "pos_emb_time", "init_pos_emb_time", default=4)),
+        merge_kernel=tuple(int(k) for k in _first(vision, "merge_kernel_size", default=(2, 2))),
+        rope_theta=float(_first(rope, "rope_theta", default=10000.0)),
+        hidden_act=_first(vision, "hidden_act", "activation_func", default="gelu_pytorch_tanh"),
+        projection_hidden_size=int(
+            _first(top, "projection_hidden_size", default=_first(vision, "mm_hidden_size", default=0))
+        ),
+        projection_eps=float(
+            _first(top, "projection_layer_norm_eps", default=_first(vision, "projector_ln_eps", default=1e-5))
+        ),
+        image_token_id=int(_first(top, "image_token_id", "media_placeholder_token_id", default=163605)),
+        max_patches=int(_first(pre, "max_patches", "in_patch_limit", default=16384)),
+        max_patches_per_side=int(
+            _first(size, "max_height", default=_first(pre, "patch_limit_on_one_side", default=512))
+        ),
+        image_mean=tuple(float(x) for x in _first(pre, "image_mean", default=(0.5, 0.5, 0.5))),
+        image_std=tuple(float(x) for x in _first(pre, "image_std", default=(0.5, 0.5, 0.5))),
+    )
 
 
 @dataclass
@@ -94,8 +226,8 @@ class ModelConfig:
     routed_expert_format: str = "dense"
     # AttnRes
     attn_res_block_size: int | None = None
-    # Multimodal checkpoints (K3): kept for completeness; Kestrel serves the text tower.
-    vision_config: dict[str, Any] | None = None
+    # The MoonViT tower, patch merger and projector (K2.5, K3 with a `vision_config`); None: text only.
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -264,30 +396,50 @@ def _check_deepseek_v3(raw: dict[str, Any]) -> None:
         raise ConfigError("config field 'rope_interleave': false is unsupported (MLA rope is interleaved)")
 
 
-def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
-    """Build a `ModelConfig` from a parsed `config.json` of any supported family."""
+def model_config_from_dict(raw: dict[str, Any], preprocessor: dict[str, Any] | None = None) -> ModelConfig:
+    """Build a `ModelConfig` from a parsed `config.json` of any supported family (`preprocessor`: the parsed
+    `preprocessor_config.json` of a vision checkpoint, if it has one)."""
     if not isinstance(raw, dict):
         raise ConfigError("config.json must hold a JSON object")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"config field 'model_type': unsupported {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
-    vision = None
-    if model_type == "kimi_k3":
+    vision, top_level, family = None, raw, model_type
+    if model_type in MULTIMODAL_TYPES:
         if not isinstance(raw.get("text_config"), dict):
-            raise ConfigError("config field 'text_config': kimi_k3 checkpoints nest the language model config there")
+            raise ConfigError(f"config field 'text_config': {model_type} checkpoints nest the language model there")
         vision = raw.get("vision_config")
         top_level = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
-        raw = {**top_level, **raw["text_config"], "model_type": "kimi_k3"}
+        text_type = raw["text_config"].get("model_type", "deepseek_v3")
+        raw = {**top_level, **raw["text_config"], "model_type": model_type}
+        if model_type == "kimi_k25":
+            if text_type not in DEEPSEEK_V3_TYPES:
+                raise ConfigError(
+                    f"config field 'text_config.model_type': kimi_k25 wraps deepseek_v3, got {text_type!r}"
+                )
+            family = text_type
+            if vision is None:
+                raise ConfigError("config field 'vision_config': kimi_k25 checkpoints carry a vision tower")
+            # The wrapper decides tying (transformers' Kimi_K25Config defaults to tied, K2.5 itself says false).
+            raw["tie_word_embeddings"] = top_level.get("tie_word_embeddings", True)
 
     try:
-        return _parse(raw, model_type, vision)
+        cfg = _parse(raw, family, vision, top_level, preprocessor)
     except ConfigError:
         raise
     except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(f"config: malformed value ({exc})") from exc
+    cfg.model_type = model_type
+    return cfg
 
 
-def _parse(raw: dict[str, Any], model_type: str, vision: dict[str, Any] | None) -> ModelConfig:
+def _parse(
+    raw: dict[str, Any],
+    model_type: str,
+    vision: dict[str, Any] | None,
+    top_level: dict[str, Any],
+    preprocessor: dict[str, Any] | None,
+) -> ModelConfig:
     for required in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if required not in raw:
             raise ConfigError(f"config field {required!r}: missing")
@@ -353,7 +505,9 @@ def _parse(raw: dict[str, Any], model_type: str, vision: dict[str, Any] | None) 
         if (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
         else "dense",
         attn_res_block_size=_first(raw, "attn_res_block_size"),
-        vision_config=vision,
+        vision=vision_config_from_dict(vision, top_level, int(raw["hidden_size"]), preprocessor)
+        if vision is not None
+        else None,
     )
 
 
@@ -365,6 +519,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"no config.json at {path}")
     try:
         raw = json.loads(file.read_text())
+        pre_file = file.parent / "preprocessor_config.json"
+        preprocessor = json.loads(pre_file.read_text()) if pre_file.exists() else None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{file}: not valid JSON ({exc})") from exc
-    return model_config_from_dict(raw)
+    return model_config_from_dict(raw, preprocessor)

@@ -1,9 +1,11 @@
 """Memory / capacity planner (`kestrel plan`): weights, MLA+indexer KV and KDA state per GPU for a layout.
 
 Plain integer arithmetic over a `ModelConfig`, so a deployment can be sized before any GPU is touched.
-The layout follows SGLang's vocabulary: `tp` GPUs per pipeline stage (`gpus = tp × pp × replicas`);
-attention runs in `dp_attn` groups of `tp / dp_attn` GPUs; MLA KV is replicated across a group's TP
-ranks (one latent per token cannot be split by head) and only `dcp` shards it, by token.
+The layout follows SGLang's vocabulary: `tp` GPUs per pipeline stage copy, `pcp` copies of every stage
+(`gpus = tp × pcp × pp × replicas`); attention runs in `dp_attn` groups of `tp / dp_attn` GPUs; MLA KV is
+replicated across a group's TP ranks (one latent per token cannot be split by head) and only `dcp` shards it, by
+token. Prefill context parallelism shards no memory: each of the `pcp` copies runs 1/pcp of every prompt's tokens
+and keeps the whole KV and KDA state of its requests (decode runs on every copy).
 """
 
 from __future__ import annotations
@@ -232,6 +234,12 @@ def resolve_model(name_or_path: str) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def stage_sizes(n_layers: int, pp: int, partition: list[int] | tuple[int, ...] | None = None) -> list[int]:
+    """Layers per pipeline stage: the partition, or equal shares with the remainder on the first stages (the
+    engine's split too, kestrel.dist.groups.ParallelLayout)."""
+    return list(partition) if partition else [n_layers // pp + (s < n_layers % pp) for s in range(pp)]
+
+
 @dataclass
 class Layout:
     """Deployment knobs; each maps one-to-one onto a `kestrel plan` flag."""
@@ -241,6 +249,7 @@ class Layout:
     dcp: int = 1
     dp_attn: int = 1
     ep: int = 1
+    pcp: int = 1
     pp: int = 1
     pp_partition: list[int] | None = None
     gpu_mem_gib: float = 268.0  # one GB300 (288 GB), the seeds' hardware: the preset's TP8 layout fits on 8
@@ -267,10 +276,14 @@ class Layout:
             if not cond:
                 raise PlanError(f"--{flag}: {why}")
 
-        for flag in ("gpus", "tp", "dcp", "dp_attn", "ep", "pp", "context_len"):
+        for flag in ("gpus", "tp", "dcp", "dp_attn", "ep", "pcp", "pp", "context_len"):
             need(getattr(self, flag) >= 1, flag.replace("_", "-"), "must be >= 1")
         need(self.gpus % self.tp == 0, "tp", f"{self.tp} does not divide --gpus {self.gpus}")
         need(self.gpus % (self.tp * self.pp) == 0, "pp", f"--tp × --pp = {self.tp * self.pp} must divide --gpus")
+        per_engine = self.tp * self.pcp * self.pp
+        need(self.gpus % per_engine == 0, "pcp", f"--tp × --pcp × --pp = {per_engine} must divide --gpus")
+        for flag, other in (("dcp", self.dcp), ("dp-attn", self.dp_attn)):
+            need(self.pcp == 1 or other == 1, "pcp", f"--pcp > 1 with --{flag} > 1 is not supported by the engine")
         need(self.tp % self.dp_attn == 0, "dp-attn", f"{self.dp_attn} does not divide --tp {self.tp}")
         need(self.attn_tp % self.dcp == 0, "dcp", f"{self.dcp} must divide the attention TP size {self.attn_tp}")
         need(self.tp % self.ep == 0, "ep", f"{self.ep} does not divide --tp {self.tp} (MoE spans a stage's TP)")
@@ -300,7 +313,7 @@ class Layout:
 
     def stages(self, n_layers: int) -> list[range]:
         """Layer ranges per stage; remainder layers go to the first stages unless a partition is given."""
-        sizes = self.pp_partition or [n_layers // self.pp + (s < n_layers % self.pp) for s in range(self.pp)]
+        sizes = stage_sizes(n_layers, self.pp, self.pp_partition)
         starts = [sum(sizes[:s]) for s in range(self.pp)]
         return [range(a, a + n) for a, n in zip(starts, sizes)]
 
@@ -406,7 +419,7 @@ def plan(cfg: ModelConfig, layout: Layout | None = None, model: str = "") -> Pla
     budget = int(lay.gpu_mem_gib * GIB * lay.mem_fraction)
     ranges = lay.stages(cfg.num_hidden_layers)
     stages = [_stage_plan(cfg, lay, r, s == 0, s == lay.pp - 1, budget) for s, r in enumerate(ranges)]
-    groups = lay.dp_attn * (lay.gpus // (lay.tp * lay.pp))
+    groups = lay.dp_attn * (lay.gpus // (lay.tp * lay.pcp * lay.pp))
     ctx = lay.context_len
 
     full_fit = _min(
@@ -487,7 +500,9 @@ def plan(cfg: ModelConfig, layout: Layout | None = None, model: str = "") -> Pla
             "MLA + indexer KV is replicated across attention TP ranks and sharded by token over --dcp",
             "KDA state (fp32 recurrent + bf16 conv) is split by head over attention TP, not by --dcp",
             f"DFlash draft KV ring adds {DRAFT_KV_RING_FRACTION:.0%} of the target KV per token (last stage)",
-            "--max-running-requests is per engine (tp × pp GPUs), split evenly over --dp-attn groups",
+            "--pcp copies of a stage each hold its weights and the whole KV and KDA state of their requests: PCP "
+            f"splits each prefill (a rank computes 1/{lay.pcp} of a prompt's tokens), not memory",
+            "--max-running-requests is per engine (tp × pcp × pp GPUs), split evenly over --dp-attn groups",
         ],
     )
 
@@ -523,7 +538,7 @@ def format_plan(p: Plan) -> str:
     gpus = f"{lay['gpus']} GPU" + ("s" if lay["gpus"] != 1 else "")
     shape = (
         f"{gpus} · TP{lay['tp']} · attention DP{lay['dp_attn']} × TP{lay['attn_tp']} · "
-        f"DCP{lay['dcp']} · EP{lay['ep']} · PP{lay['pp']}"
+        f"DCP{lay['dcp']} · EP{lay['ep']} · PCP{lay['pcp']} · PP{lay['pp']}"
     )
     rows = [
         ("model", f"{p.model} ({_count(p.total_params)} params, {_count(p.active_params)} active)"),

@@ -8,17 +8,20 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from kestrel.chat_template import IM_END, JINJA_TEMPLATE, MARKER_TOKENS, PAD, SPECIAL_TOKENS
+from kestrel.chat_template import IM_END, JINJA_TEMPLATE, MARKER_TOKENS, MEDIA_PAD, MEDIA_TOKENS, PAD, SPECIAL_TOKENS
 
 # Ids 0-2: pad, bos, eos (= <|im_end|>), so the make-model presets' pad/bos/eos ids 0/1/2 mean these.
 BYTE_SPECIALS = (PAD, "<|bos|>", IM_END)
-BYTE_VOCAB_SIZE = len(BYTE_SPECIALS) + 256 + len(SPECIAL_TOKENS) - 2 + len(MARKER_TOKENS)
+BYTE_VOCAB_SIZE = len(BYTE_SPECIALS) + 256 + len(SPECIAL_TOKENS) - 2 + len(MARKER_TOKENS) + len(MEDIA_TOKENS)
+BYTE_IMAGE_TOKEN_ID = BYTE_VOCAB_SIZE - len(MEDIA_TOKENS) + MEDIA_TOKENS.index(MEDIA_PAD)  # <|media_pad|>
 
 
 def add_chat_tokens(tok: Tokenizer) -> None:
-    """Chat control tokens (dropped from output text) and the reasoning / tool-call markers (kept)."""
+    """Chat control tokens (dropped from output text), the reasoning / tool-call markers (kept), and the image
+    markers (control tokens, added last so that older tokenizers' ids stay)."""
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MEDIA_TOKENS])
 
 
 def byte_level_tokenizer() -> Tokenizer:

@@ -156,3 +156,90 @@ def save_hf_model(kind: str, out: Path, seed: int = 0):
         config = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps(config | K2_EXTRA_FIELDS, indent=2))
     return model
+
+
+# Kimi K2.5: the DeepSeek-V3 text model above inside Kimi_K25ForConditionalGeneration with a 2-layer MoonViT whose
+# position table (6x6) is smaller than most test grids (so it is interpolated) and equal to one of them.
+HF_K25_VISION = dict(
+    patch_size=14,
+    pos_emb_height=6,
+    pos_emb_width=6,
+    pos_emb_time=4,
+    num_attention_heads=2,
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=48,
+    rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+)
+HF_K25_TOKENS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
+# transformers' save_pretrained writes a few names of K2.5's hub layout its own way; these restore the hub's.
+_K25_HUB_NAMES = [
+    (r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+    (r"^model\.mm_projector\.", "mm_projector."),
+    (r"^vision_tower\.encoder\.patch_embed\.", "vision_tower.patch_embed."),
+]
+
+
+def save_hf_kimi_k25(out: Path, seed: int = 0):
+    """A random `Kimi_K25ForConditionalGeneration` saved in Kimi K2.5's hub layout (`language_model.model.*`,
+    `vision_tower.encoder.blocks.N.wqkv`, `mm_projector.proj.0`, ...); returns the model (eval, fp32)."""
+    import re
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    config = transformers.Kimi_K25Config(
+        text_config=HF_DEEPSEEK_V3 | {"model_type": "deepseek_v3"},
+        vision_config=HF_K25_VISION,
+        projection_hidden_size=HF_K25_VISION["hidden_size"],
+        tie_word_embeddings=False,
+        **HF_K25_TOKENS,
+    )
+    model = transformers.Kimi_K25ForConditionalGeneration(config)
+    time_table = model.model.vision_tower.patch_embed.pos_emb.time_position_embeddings.clone()
+    randomise_all_weights(model, seed)
+    model.model.vision_tower.patch_embed.pos_emb.time_position_embeddings.copy_(time_table)  # a fixed table
+    model.eval()
+    model.save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        for pattern, repl in _K25_HUB_NAMES:
+            name = re.sub(pattern, repl, name)
+        renamed[name] = tensor
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+ORACLE_TORCHVISION = Path(__file__).resolve().parent.parent / ".venv" / "oracle-torchvision"
+_PROCESSOR_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+real = torch.library.register_fake  # its CUDA-built C ops cannot load beside CPU torch; the transforms need none
+torch.library.register_fake = lambda *a, **k: (lambda fn: fn)
+import torchvision  # noqa
+torch.library.register_fake = real
+import transformers
+from PIL import Image
+from safetensors.torch import save_file
+images = [Image.open(p) for p in sys.argv[4:]]
+out = transformers.Kimi_K25ImageProcessor(max_patches=int(sys.argv[3]))(images=images, return_tensors="pt")
+save_file({"pixel_values": out["pixel_values"].contiguous(), "grid": out["image_grid_thw"]}, sys.argv[2])
+"""
+
+
+def hf_image_processor(paths: list[Path], out: Path, max_patches: int = 16384) -> dict[str, torch.Tensor]:
+    """`Kimi_K25ImageProcessor` (torchvision backend) on image files, in a child process: the only torchvision
+    wheel beside CPU torch 2.13 is CUDA-built, so it lives outside the venv (`make setup`) and is imported with its
+    C-op registrations skipped; inside pytest's own process it would break every transformers import."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    assert ORACLE_TORCHVISION.exists(), f"{ORACLE_TORCHVISION} missing: run `make setup`"
+    cmd = [sys.executable, "-c", _PROCESSOR_SCRIPT, str(ORACLE_TORCHVISION), str(out), str(max_patches)]
+    cmd += [str(p) for p in paths]
+    subprocess.run(cmd, check=True, timeout=120, capture_output=True)
+    return load_file(out)

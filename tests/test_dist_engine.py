@@ -1,5 +1,6 @@
-"""Distributed engine = single process: TP, EP and attention-DP layouts give the same greedy tokens and logprobs
-(1e-4) on all three families, through chunked prefill, prefix-cache hits and preemption, every page and slot freed."""
+"""Distributed engine = single process: TP, EP, attention-DP, DCP, PCP and PP layouts give the same greedy tokens and
+logprobs (1e-4) on all three families, through chunked prefill, prefix-cache hits and preemption, every page and slot
+freed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from dist_harness import spawn_ranks
 
 from kestrel import LLM, SamplingParams
-from kestrel.dist import dcp
+from kestrel.dist import dcp, pcp, pp
 from kestrel.dist.groups import ParallelLayout
 
 FAMILIES = ["kimi_linear", "deepseek_v32", "kimi_k3"]
@@ -34,9 +35,9 @@ def run_scenario(llm: LLM, seed: int = 0) -> dict:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     outs = llm.generate(first, params, use_tqdm=False) + llm.generate(second, params, use_tqdm=False)
     engine = llm.engine
-    kv = engine.runner.kv
+    latent = next(iter(engine.runner.kv.latent.values()), None)  # None: rank 0's pipeline stage has no MLA layer
     result = {
-        "kv_rows_per_page": next(iter(kv.latent.values())).shape[0] // (engine.runner.scratch_page + 1),
+        "kv_rows_per_page": None if latent is None else latent.shape[0] // (engine.runner.scratch_page + 1),
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [o.outputs[0].logprobs for o in outs],
         "cached": sum(o.outputs[0].cached_tokens for o in outs[len(first) :]),
@@ -51,7 +52,7 @@ def run_scenario(llm: LLM, seed: int = 0) -> dict:
     return result
 
 
-def _rank(groups, paths: dict[str, str], engine_args: dict) -> dict | None:
+def _rank(groups, paths: dict[str, str], engine_args: dict, scenario=run_scenario) -> dict | None:
     """Rank 0 runs the scenario on every family; the other ranks follow each engine in turn."""
     from kestrel.dist.engine_ranks import follow_engine
     from kestrel.dist.runner import release_followers
@@ -64,9 +65,10 @@ def _rank(groups, paths: dict[str, str], engine_args: dict) -> dict | None:
             follow_engine(config, groups)
             continue
         try:
-            dcp.TOTALS.clear()
-            out[family] = run_scenario(LLM(path, **engine_args))
-            out[family]["dcp"] = dict(dcp.TOTALS)
+            for totals in (dcp.TOTALS, pcp.TOTALS, pp.TOTALS):
+                totals.clear()
+            out[family] = scenario(LLM(path, **engine_args))
+            out[family] |= {"dcp": dict(dcp.TOTALS), "pcp": dict(pcp.TOTALS), "pp": dict(pp.TOTALS)}
         finally:
             release_followers()
     return out if groups.rank == 0 else None
@@ -89,31 +91,98 @@ def _assert_same(got: dict, want: dict, dp_attn: int) -> None:
     assert got["idle"] and got["free"]  # every group's pages and slots back on its free lists
 
 
+def _engine_args(layout: ParallelLayout, dispatch: str) -> dict:
+    lay = dict(tp=layout.tp, ep=layout.ep, dp_attn=layout.dp_attn, pcp=layout.pcp, pp=layout.pp, moe_dispatch=dispatch)
+    lay |= dict(dcp=layout.dcp, dcp_interleave=layout.dcp_interleave, dcp_topk_candidates=layout.dcp_candidates)
+    lay |= dict(dcp_merge=layout.dcp_merge, pcp_split=layout.pcp_split, pcp_block=layout.pcp_block)
+    if layout.pp_partition:
+        lay["pp_partition"] = ",".join(map(str, layout.pp_partition))
+    return ENGINE_ARGS | lay
+
+
 @pytest.mark.parametrize(
-    "layout, dispatch",
+    "layout, dispatch, families",
     [
-        (ParallelLayout(tp=2), "allgather"),  # experts split inside (moe tp 2)
-        (ParallelLayout(tp=4, ep=4), "alltoall"),
-        (ParallelLayout(tp=2, ep=2, dp_attn=2), "allgather"),
+        (ParallelLayout(tp=2), "allgather", FAMILIES),  # experts split inside (moe tp 2)
+        (ParallelLayout(tp=4, ep=4), "alltoall", FAMILIES),
+        (ParallelLayout(tp=2, ep=2, dp_attn=2), "allgather", FAMILIES),
         # Decode context parallelism (MLA/DSA KV sharded by token): 4 DSA candidates per rank < index_topk (16),
-        # so the exact top-k merge falls back; interleaved pages; the all-gather / reduce-scatter merge.
-        (ParallelLayout(tp=2, dcp=2, dcp_candidates=4), "allgather"),
-        (ParallelLayout(tp=4, ep=2, dcp=4, dcp_merge="allgather"), "allgather"),
-        (ParallelLayout(tp=4, dcp=2, dcp_interleave=2), "allgather"),
+        # so the exact top-k merge falls back; interleaved pages; the all-gather / reduce-scatter merge. The second
+        # wave's prompts extend the first wave's: prefix-cache hits read sharded pages (asserted in _assert_same).
+        (ParallelLayout(tp=2, dcp=2, dcp_candidates=4), "allgather", FAMILIES),
+        (ParallelLayout(tp=4, ep=2, dcp=4, dcp_merge="allgather"), "allgather", FAMILIES),
+        (ParallelLayout(tp=4, dcp=2, dcp_interleave=2), "allgather", FAMILIES),
+        # Prefill context parallelism: every 7-token chunk split in 3-token round-robin blocks (and cut at KDA
+        # checkpoints). Pipeline stages of 3 + 1 layers (kimi_k3: an AttnRes bank crosses), chunks cut over 2
+        # micro-batches. PP x PCP: test_prefill_context_and_pipeline_parallel_long_prompts_match_single_process.
+        (ParallelLayout(pcp=2, pcp_split="roundrobin", pcp_block=3), "allgather", FAMILIES),
+        (ParallelLayout(pp=2, pp_partition=(3, 1)), "allgather", FAMILIES),
     ],
-    ids=["tp2", "tp4-ep4-alltoall", "dp-attn2-tp2-ep2", "tp2-dcp2-c4", "tp4-ep2-dcp4-allgather", "tp4-dcp2-inter2"],
+    ids=[
+        "tp2",
+        "tp4-ep4-alltoall",
+        "dp-attn2-tp2-ep2",
+        "tp2-dcp2-c4",
+        "tp4-ep2-dcp4-allgather",
+        "tp4-dcp2-inter2",
+        "pcp2-roundrobin",
+        "pp2-partition-3-1",
+    ],
 )
-def test_parallel_engine_matches_single_process(layout, dispatch, tiny_checkpoints, single_process):
-    paths = {fam: str(tiny_checkpoints[fam]) for fam in FAMILIES}
-    args = ENGINE_ARGS | dict(tp=layout.tp, ep=layout.ep, dp_attn=layout.dp_attn, moe_dispatch=dispatch)
-    args |= dict(dcp=layout.dcp, dcp_interleave=layout.dcp_interleave, dcp_topk_candidates=layout.dcp_candidates)
-    args |= dict(dcp_merge=layout.dcp_merge)
-    got = spawn_ranks(_rank, layout, paths, args)[0]
-    for fam in FAMILIES:
+def test_parallel_engine_matches_single_process(layout, dispatch, families, tiny_checkpoints, single_process):
+    paths = {fam: str(tiny_checkpoints[fam]) for fam in families}
+    got = spawn_ranks(_rank, layout, paths, _engine_args(layout, dispatch))[0]
+    for fam in families:
         _assert_same(got[fam], single_process[fam], layout.dp_attn)
         # Under DCP each rank's pool keeps 1/dcp of every page, and every MLA/DSA decode ran sharded.
-        assert got[fam]["kv_rows_per_page"] == ENGINE_ARGS["page_size"] // layout.dcp
+        if got[fam]["kv_rows_per_page"] is not None:  # None: rank 0's pipeline stage holds no MLA layer
+            assert got[fam]["kv_rows_per_page"] == ENGINE_ARGS["page_size"] // layout.dcp
         assert (got[fam]["dcp"].get("decode_layers", 0) > 0) == (layout.dcp > 1)
         if layout.dcp > 1 and fam != "kimi_linear":  # DSA: the exact top-k merge ran, and fell back when C < k
             assert got[fam]["dcp"]["merges"] > 0
             assert (got[fam]["dcp"]["fallback_pairs"] > 0) == (layout.dcp_candidates < 16)
+        # PCP: prefills were split, and the KDA layers composed segment maps across ranks.
+        assert (got[fam]["pcp"].get("segments", 0) > got[fam]["pcp"].get("prefills", 0)) == (layout.pcp > 1)
+        assert (got[fam]["pcp"].get("kda_layers", 0) > 0) == (layout.pcp > 1 and fam != "deepseek_v32")
+        # PP: steps ran as 2 micro-batches, some prefill chunks cut between them.
+        if layout.pp > 1:
+            assert got[fam]["pp"]["micro_batches"] > got[fam]["pp"]["steps"] and got[fam]["pp"]["cut_chunks"] > 0
+
+
+# Long prompts (36-55 pages of 4), each prefilled whole: zigzag segments of ~50-100 tokens span several 64-token KDA
+# chunks, and the 128-token checkpoints cut them; the second wave hits those checkpoints.
+LONG_ARGS = dict(max_total_tokens=2048, page_size=4, chunked_prefill_size=-1, state_track_interval=128)
+
+
+def long_scenario(llm: LLM) -> dict:
+    gen = torch.Generator().manual_seed(5)
+    first = [torch.randint(3, 259, (n,), generator=gen).tolist() for n in (144, 170, 201, 220)]
+    second = [p + torch.randint(3, 259, (9,), generator=gen).tolist() for p in first[1:3]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    with_prompt = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    outs = llm.generate(first[:3], params, use_tqdm=False) + llm.generate(first[3:], with_prompt, use_tqdm=False)
+    outs += llm.generate(second, params, use_tqdm=False)
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [o.outputs[0].logprobs for o in outs],
+        "prompt_logprobs": [lp for lp in outs[3].prompt_logprobs if lp is not None],
+        "cached": [o.outputs[0].cached_tokens for o in outs[len(first) :]],
+    }
+
+
+def test_prefill_context_and_pipeline_parallel_long_prompts_match_single_process(tiny_checkpoints):
+    """PCP 2 inside each of 2 pipeline stages, zigzag split; one request asks for prompt logprobs (its every row
+    gathered from the rank that computed it, then sent from the last stage)."""
+    paths = {fam: str(tiny_checkpoints[fam]) for fam in ("kimi_k3",)}
+    want = {fam: long_scenario(LLM(path, **LONG_ARGS)) for fam, path in paths.items()}
+    layout = ParallelLayout(pcp=2, pp=2)
+    got = spawn_ranks(_rank, layout, paths, LONG_ARGS | dict(pcp=2, pp=2), long_scenario)[0]
+    for fam in paths:
+        assert got[fam]["tokens"] == want[fam]["tokens"]
+        for a, b in zip(got[fam]["logprobs"], want[fam]["logprobs"]):
+            assert a == pytest.approx(b, abs=1e-4)
+        got_prompt, want_prompt = got[fam]["prompt_logprobs"], want[fam]["prompt_logprobs"]
+        assert len(want_prompt) == 219 and [x.token_id for x in got_prompt] == [x.token_id for x in want_prompt]
+        assert [x.logprob for x in got_prompt] == pytest.approx([x.logprob for x in want_prompt], abs=1e-4)
+        assert got[fam]["cached"] == want[fam]["cached"] and min(want[fam]["cached"]) >= 128  # prefix-cache hits
+        assert got[fam]["pcp"]["longest_segment"] > 64 and got[fam]["pcp"]["kda_layers"] > 0

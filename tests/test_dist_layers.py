@@ -176,10 +176,24 @@ def test_layout_rules_fail_with_one_clear_error():
     cfg = model_config_from_dict(preset_config("kimi_k3", "tiny"))  # 4 heads, 8 experts
     with pytest.raises(ConfigError, match="tp % dp_attn == 0"):
         ParallelLayout(tp=4, dp_attn=3).validate(cfg)
-    with pytest.raises(ConfigError, match=r"num_experts \(8\) % ep == 0"):
+    with pytest.raises(ConfigError, match=r"--ep: num_experts \(8\) % ep == 0"):
         ParallelLayout(tp=6, ep=3, dp_attn=3).validate(cfg)
     with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) % attention tp \(8\)"):
         ParallelLayout(tp=8).validate(cfg)
-    with pytest.raises(ConfigError, match="expert_map gives every EP rank an expert"):
+    with pytest.raises(ConfigError, match="--ep-expert-map: every EP rank needs an expert"):
         ParallelLayout(tp=2, ep=2, expert_map=(0,) * 8).validate(cfg)
     ParallelLayout(tp=2, ep=2, expert_map=tuple(UNEVEN)).validate(cfg)
+    # Pipeline and prefill context parallelism: the partition, the stage count, and what they do not combine with.
+    with pytest.raises(ConfigError, match=r"--pp-partition .*: 3 entries \[1, 1, 2\], needs one per stage \(--pp 2\)"):
+        ParallelLayout(pp=2, pp_partition=(1, 1, 2)).validate()
+    with pytest.raises(ConfigError, match=r"--pp-partition .*: \[3, 3\] sums to 6, the model has 4 layers"):
+        ParallelLayout(pp=2, pp_partition=(3, 3)).validate(cfg)
+    with pytest.raises(ConfigError, match=r"--pp-partition .*: every stage needs at least one layer"):
+        ParallelLayout(pp=2, pp_partition=(4, 0)).validate(cfg)
+    with pytest.raises(ConfigError, match=r"--pp: 5 stages for 4 layers"):
+        ParallelLayout(pp=5).validate(cfg)
+    with pytest.raises(ConfigError, match=r"--pcp: pcp > 1 with dcp > 1 is not supported yet"):
+        ParallelLayout(tp=2, dcp=2, pcp=2).validate(cfg)
+    with pytest.raises(ConfigError, match=r"--pcp-split: zigzag or roundrobin"):
+        ParallelLayout(pcp=2, pcp_split="ring").validate(cfg)
+    ParallelLayout(tp=2, pcp=2, pp=2, pp_partition=(1, 3)).validate(cfg)

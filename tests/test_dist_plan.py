@@ -1,5 +1,6 @@
 """`kestrel plan` and the engine agree per rank: weight bytes, KV bytes per token and KDA state bytes per request
-that the planner prints for a layout are what each rank of that layout allocates (small presets, bf16)."""
+that the planner prints for a layout (per pipeline stage) are what each rank of that layout allocates (small presets,
+bf16)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from dist_harness import spawn_ranks
 
 from kestrel.config import load_model_config
+from kestrel.dist import memory
 from kestrel.dist.groups import ParallelLayout
+from kestrel.models.loader import build_model
 from kestrel.plan import Layout, plan
 
 FAMILIES = ("kimi_linear", "kimi_k3")
@@ -18,7 +21,6 @@ def _allocated(groups, paths: dict[str, str]) -> dict[str, dict[str, int]]:
     """Per family: this rank's shard and pools as the engine's runner sizes them (one page, one slot)."""
     from kestrel.cache.kv_pool import KVStorage
     from kestrel.cache.state_pool import StateStorage
-    from kestrel.dist import memory
     from kestrel.dist.tensor_parallel import load_sharded_model
 
     out = {}
@@ -31,6 +33,8 @@ def _allocated(groups, paths: dict[str, str]) -> dict[str, dict[str, int]]:
             "fp32_params": memory.fp32_params(model),
             "kv_per_token": memory.kv_bytes_per_token(KVStorage(cfg, 1, 1, model.dtype, "cpu")),
             "state_per_request": memory.state_bytes_per_slot(states),
+            "stage": groups.stage,
+            "dsa_layers": sum(cfg.layer_kinds[i] == "dsa" for i in cfg.attention_layers),  # this stage's
         }
     return out
 
@@ -45,26 +49,42 @@ def small_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout",
-    [ParallelLayout(tp=2), ParallelLayout(tp=2, dp_attn=2)],  # experts split inside; whole heads per rank
-    ids=["tp2", "dp-attn2-tp2"],
+    [
+        ParallelLayout(tp=2),  # experts split inside
+        ParallelLayout(tp=2, dp_attn=2),  # whole heads per rank
+        ParallelLayout(pp=2),  # each stage: its 4 layers, the first the embedding, the last the norm and LM head
+    ],
+    ids=["tp2", "dp-attn2-tp2", "pp2"],
 )
 def test_plan_equals_what_every_rank_allocates(layout, small_checkpoints):
     ranks = spawn_ranks(_allocated, layout, small_checkpoints)
     for family, path in small_checkpoints.items():
         cfg = load_model_config(path)
         lay = Layout(
-            gpus=layout.tp, tp=layout.tp, ep=layout.ep, dp_attn=layout.dp_attn, gpu_mem_gib=64, context_len=4096
+            gpus=layout.world,
+            tp=layout.tp,
+            ep=layout.ep,
+            dp_attn=layout.dp_attn,
+            pcp=layout.pcp,
+            pp=layout.pp,
+            gpu_mem_gib=64,
+            context_len=4096,
         )
         p = plan(cfg, Layout(**{**vars(lay), "weight_format": "bf16", "kv_format": "bf16"}))
+        assert len(p.stages) == layout.pp and p.attention_groups == layout.dp_attn  # one engine over all GPUs
         for got in ranks:
             got = got[family]
+            stage = p.stages[got["stage"]]
             # The planner prices every weight at 2 bytes; the router, A_log and dt_bias stay fp32 (4) in the engine.
-            assert got["weights"] - 2 * got["fp32_params"] == p.weight_bytes_per_rank
-            assert got["state_per_request"] == p.kda_state_bytes_per_request_per_rank
+            assert got["weights"] - 2 * got["fp32_params"] == stage.weight_bytes
+            assert got["state_per_request"] == stage.kda_state_bytes_per_request
             # bf16 latents and rope keys; the planner's index keys are FP8 (+ an fp32 scale), the engine's bf16.
-            n_dsa = sum(cfg.layer_kinds[i] == "dsa" for i in cfg.attention_layers)
-            assert got["kv_per_token"] == p.kv_bytes_per_token_per_rank + n_dsa * (cfg.index_head_dim - 4)
-        assert ranks[0][family] == ranks[-1][family]  # every rank of these layouts holds the same amount
+            assert got["kv_per_token"] == stage.kv_bytes_per_token + got["dsa_layers"] * (cfg.index_head_dim - 4)
+        if layout.pp == 1:
+            assert ranks[0][family] == ranks[-1][family]  # every rank of these layouts holds the same amount
+        else:  # the stages split the model's weights: each holds its layers and ends, nothing twice
+            whole = memory.weight_bytes(build_model(cfg, torch.bfloat16, "meta"))
+            assert ranks[0][family]["weights"] + ranks[1][family]["weights"] == whole
 
 
 def _dcp_pool(groups, path: str, page_size: int) -> float:

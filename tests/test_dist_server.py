@@ -1,5 +1,6 @@
-"""`kestrel serve --tp 2`: same text as one process through the OpenAI client (stream and not), SIGINT stops
-every rank with exit 0, and a killed or stuck rank brings the server down with a clear error instead of a hang."""
+"""`kestrel serve --tp 2` and `--pp 2`: same text as one process through the OpenAI client (stream and not), SIGINT
+stops every rank with exit 0, a killed or stuck rank brings the server down with a clear error instead of a hang, and
+an invalid layout is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ def checkpoint(tmp_path_factory):
     return str(make_model("kimi_k3", "tiny", tmp_path_factory.mktemp("dist_server") / "k3", seed=0))
 
 
-def _serve_tp2(checkpoint: str, log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+def _serve_tp2(checkpoint: str, log_path: Path, *flags: str, layout=("--tp", "2")) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "kestrel.cli", "serve", checkpoint, "--port", str(port), "--device", "cpu"]
-    cmd += ["--tp", "2", *FLAGS, *flags]
+    cmd += [*layout, *FLAGS, *flags]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stderr=log_file, stdout=log_file, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -71,11 +72,17 @@ def _answers(url: str) -> list[str]:
     return out
 
 
-def test_serve_tp2_answers_like_tp1_and_sigint_stops_every_rank(checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def one_process_answers(checkpoint):
     with running_server(checkpoint, {"max_total_tokens": 2048, "max_model_len": 256}) as (url, _):
-        want = _answers(url)
-    log = tmp_path / "tp2.log"
-    proc, url = _serve_tp2(checkpoint, log)
+        return _answers(url)
+
+
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
+def test_serve_answers_like_one_process_and_sigint_stops_every_rank(layout, checkpoint, one_process_answers, tmp_path):
+    want = one_process_answers
+    log = tmp_path / "serve.log"
+    proc, url = _serve_tp2(checkpoint, log, layout=layout)
     try:
         ranks = _children(proc.pid)
         assert _answers(url) == want and all(want)
@@ -132,3 +139,23 @@ def test_stuck_rank_times_out_the_step_and_stops_the_server(checkpoint, tmp_path
         with contextlib.suppress(ProcessLookupError):
             os.kill(rank, signal.SIGKILL)
     assert "Timed out" in log.read_text() and "every rank was stopped" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    "flags, env, message",
+    [
+        (("--pp", "2", "--pp-partition", "3,3"), {}, "--pp-partition (or KESTREL_PP_LAYER_PARTITION): [3, 3] sums"),
+        (("--pp", "2"), {"KESTREL_PP_LAYER_PARTITION": "1,1,2"}, "3 entries [1, 1, 2], needs one per stage (--pp 2)"),
+        (("--pcp", "2", "--tp", "2", "--dcp", "2"), {}, "--pcp: pcp > 1 with dcp > 1 is not supported yet"),
+    ],
+    ids=["partition-sum", "partition-env-length", "pcp-with-dcp"],
+)
+def test_invalid_layout_is_refused_before_any_rank_starts(flags, env, message, checkpoint, monkeypatch, capsys):
+    from kestrel.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spawned = []
+    monkeypatch.setattr("kestrel.dist.launch.mp.start_processes", lambda *a, **k: spawned.append(a))
+    assert main(["generate", checkpoint, "--device", "cpu", "--prompt", "hi", *flags]) == 2
+    assert message in capsys.readouterr().err and not spawned

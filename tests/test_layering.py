@@ -37,3 +37,8 @@ def test_hicache_does_not_import_the_radix_tree():
 def test_core_code_does_not_import_the_server():
     core = [f for f in sorted(ROOT.rglob("*.py")) if f.relative_to(ROOT).parts[0] != "server" and f != ROOT / "cli.py"]
     assert core and _offenders(core, "kestrel.server") == []
+
+
+def test_disaggregation_hooks_in_from_the_engine_not_from_the_scheduler_or_caches():
+    below = sorted((ROOT / "cache").rglob("*.py")) + [ROOT / "engine" / "scheduler.py", ROOT / "engine" / "request.py"]
+    assert _offenders(below, "kestrel.disagg") == []

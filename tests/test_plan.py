@@ -14,6 +14,7 @@ from kestrel.plan import (
     GIB,
     Layout,
     PlanError,
+    format_plan,
     kimi_k31_pro_config,
     kv_bytes_per_token_layer,
     param_totals,
@@ -124,6 +125,18 @@ def test_pipeline_stages_hold_kv_and_weights_only_for_their_layers(k31):
     assert pp4.weight_bytes_per_rank < pp1.weight_bytes_per_rank / 3
 
 
+def test_prefill_context_parallel_copies_shard_no_memory(k31):
+    """PCP 2 doubles the GPUs of one engine: each copy holds a stage's weights and every request's KV and state, so
+    the per-GPU figures stay those of PP4 alone and one engine still serves one set of requests."""
+    base = dict(tp=8, pp=4, pp_partition=[24, 24, 24, 21], gpu_mem_gib=GB300_GIB)
+    pp4, pcp2 = plan(k31, Layout(gpus=32, **base)), plan(k31, Layout(gpus=64, pcp=2, **base))
+    for field in ("weight_bytes_per_rank", "kv_bytes_per_token_per_rank", "kda_state_bytes_per_request_per_rank"):
+        assert getattr(pcp2, field) == getattr(pp4, field)
+    assert pcp2.attention_groups == pp4.attention_groups == 1
+    assert pcp2.full_context_requests == pp4.full_context_requests
+    assert "PCP2" in format_plan(pcp2) and any("--pcp" in a for a in pcp2.assumptions)
+
+
 @pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32", "kimi_k3"])
 def test_parameter_formula_matches_the_built_model(family):
     cfg = model_config_from_dict(preset_config(family, "small"))
@@ -139,6 +152,8 @@ def test_parameter_formula_matches_the_built_model(family):
         (["--ep", "3"], "--ep"),
         (["--gpus", "64", "--tp", "64"], "--tp"),  # 96 KDA heads do not split 64 ways
         (["--pp", "4", "--pp-partition", "24,24,24,20", "--gpus", "32"], "--pp-partition"),
+        (["--pcp", "2", "--gpus", "8"], "--pcp"),  # tp 8 × pcp 2 GPUs per engine
+        (["--pcp", "2", "--dcp", "8", "--gpus", "16"], "--pcp"),
     ],
 )
 def test_bad_layout_exits_2_naming_the_flag(flags, flag, capsys):

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from process_harness import free_port, start, stop
 
 pytest.importorskip("sglang_router", reason="sglang-router not installed: pip install -e '.[router]'")
 
@@ -21,63 +18,29 @@ WORKER_FLAGS = ("--device", "cpu", "--max-total-tokens", "4096", "--max-model-le
 SYSTEM = "You are a careful assistant who answers briefly and checks every step twice. " * 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd: list[str], log_path: Path, health_url: str, timeout: float = 60) -> subprocess.Popen:
-    """Run `cmd` with its output in `log_path` (a file: a full pipe would block it); return once `health_url` is 200."""
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, stderr=log_file, stdout=log_file, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(health_url, timeout=5).status_code == 200:
-                return proc
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"{cmd[:4]} did not come up:\n" + log_path.read_text()[-4000:])
-        time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGINT) -> int | None:
-    """Signal once (a second SIGINT means "force quit" to uvicorn); kill if it outlives 30 s; the exit code."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            return proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
 @contextlib.contextmanager
 def _worker(tmp_path: Path, name: str):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), *WORKER_FLAGS]
-    proc = _start(cmd, tmp_path / f"{name}.log", url + "/health")
+    proc = start(cmd, tmp_path / f"{name}.log", url + "/health")
     try:
         yield proc, url
     finally:
         if proc.poll() is None:
-            assert _stop(proc) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+            assert stop(proc) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
 
 
 @contextlib.contextmanager
 def _router(tmp_path: Path, name: str, policy: str, *workers: str, extra: tuple[str, ...] = ()):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--worker-urls", *workers, "--policy", policy, "--prometheus-port", str(_free_port()), *extra]
-    proc = _start(cmd, tmp_path / f"{name}.log", f"http://127.0.0.1:{port}/health")
+    cmd += ["--worker-urls", *workers, "--policy", policy, "--prometheus-port", str(free_port()), *extra]
+    proc = start(cmd, tmp_path / f"{name}.log", f"http://127.0.0.1:{port}/health")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(proc, signal.SIGTERM)
+        stop(proc, signal.SIGTERM)
 
 
 def _chat(url: str, messages: list[dict], max_tokens: int = 4) -> httpx.Response:

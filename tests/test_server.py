@@ -358,38 +358,15 @@ def test_engine_step_reports_exactly_the_requests_that_sampled_a_token(checkpoin
 
 
 # -- /generate and /abort_request -----------------------------------------------------------------------------
-def test_generate_returns_logprobs_and_routed_experts_of_the_row_that_sampled_each_token(http, checkpoint):
-    from kestrel.models.forward_batch import ForwardBatch
-    from kestrel.models.loader import load_model
-    from kestrel.models.simple_cache import SimpleCache
-
-    prompt = [5, 17, 99, 3, 42, 7]
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0}, "return_logprob": True}
-    out = http.post("/generate", json=body | {"return_routed_experts": True}).json()
-    meta = out["meta_info"]
-    assert len(out["output_ids"]) == meta["completion_tokens"] == 5 and meta["finish_reason"]["type"] == "length"
-    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
-    assert meta["routed_experts_start_position"] == len(prompt) - 1
-    # Reference: one plain forward over prompt + outputs; entry k is the routing at input position len(prompt)-1+k.
-    model, cfg = load_model(checkpoint, torch.float32, torch.device("cpu"))
-    moe_layers = [i for i, kind in enumerate(cfg.mlp_kinds) if kind == "moe"]
-    assert meta["routed_experts_layers"] == moe_layers
-    ids = torch.tensor(prompt + out["output_ids"][:-1])
-    batch = SimpleCache(model, 1).bind(ForwardBatch.single(ids))
-    batch.routed_experts = {}
-    with torch.inference_mode():
-        model(batch)
-    for k, per_layer in enumerate(meta["routed_experts"]):
-        want = [sorted(batch.routed_experts[layer][len(prompt) - 1 + k].tolist()) for layer in moe_layers]
-        assert [sorted(e) for e in per_layer] == want
-
-
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-def test_generate_routed_experts_are_opt_in(http):
+def test_generate_capture_is_opt_in_and_needs_the_server_flag(http):
     meta = http.post("/generate", json={"input_ids": [5, 17, 99], "sampling_params": GREEDY}).json()["meta_info"]
-    assert not any(k.startswith("routed_experts") for k in meta)
+    assert "routed_experts" not in meta and "indexer_topk" not in meta
+    for field in ("return_routed_experts", "return_indexer_topk"):
+        r = http.post("/generate", json={"input_ids": [5, 17, 99], "sampling_params": GREEDY, field: True})
+        assert "--enable-return-" in assert_openai_error(r, 400, field)["message"]
 
 
 def test_generate_input_token_logprobs_start_at_logprob_start_len(http):

@@ -87,14 +87,18 @@ class DiskStore:
     """Page and checkpoint files under `root/<namespace>/<xx>/<hash>.{page,state}`."""
 
     def __init__(self, root: str | Path, namespace: str) -> None:
-        self.dir = Path(root) / namespace
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"hicache_storage_dir: cannot use {root} ({exc.strerror})") from exc
+        self.root = Path(root)
+        self.set_namespace(namespace)
         self.corrupt = 0
         self.written = 0
         self.io_errors = 0  # OS errors on any file: each is a miss or a skipped write, never an exception
+
+    def set_namespace(self, namespace: str) -> None:
+        self.dir = self.root / namespace
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"hicache_storage_dir: cannot use {self.root} ({exc.strerror})") from exc
 
     def path(self, key: bytes, kind: str) -> Path:
         h = key.hex()
@@ -190,6 +194,11 @@ class HiCache:
         self.host_used = 0
         self.policy = write_policy
         self.disk = DiskStore(storage_dir, namespace) if storage_dir else None
+
+    def set_namespace(self, namespace: str) -> None:
+        """Another model's files (reloaded weights); the host tier must already be empty."""
+        if self.disk is not None:
+            self.disk.set_namespace(namespace)
 
     # -- L2: a byte budget -----------------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ import torch
 
 from kestrel.cache.free_list import FreeList
 from kestrel.config import ModelConfig
+from kestrel.models.layers.casts import cast
 from kestrel.quant.fp4 import nvfp4_global_scale
 from kestrel.quant.kv_formats import KVTokenLayout
 
@@ -71,10 +72,10 @@ class KVStorage:
             self.index_key[layer] = torch.zeros(slots, cfg.index_head_dim, dtype=dtype, device=device) if dsa else None
 
     def write(self, layer: int, slots: torch.Tensor, latent, rope_key, index_key) -> None:
-        self.latent[layer].index_copy_(0, slots, latent.to(self.latent[layer].dtype))
-        self.rope_key[layer].index_copy_(0, slots, rope_key.to(self.rope_key[layer].dtype))
+        self.latent[layer].index_copy_(0, slots, cast(latent, self.latent[layer].dtype))
+        self.rope_key[layer].index_copy_(0, slots, cast(rope_key, self.rope_key[layer].dtype))
         if index_key is not None:
-            self.index_key[layer].index_copy_(0, slots, index_key.to(self.index_key[layer].dtype))
+            self.index_key[layer].index_copy_(0, slots, cast(index_key, self.index_key[layer].dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [*slots.shape, r] and rope keys [*slots.shape, dr] at the given slots."""
@@ -84,11 +85,14 @@ class KVStorage:
         index = self.index_key[layer]
         return select_rows(index, slots) if index is not None else None
 
+    def set_latent_amax(self, latent_amax: dict[int, float]) -> None:
+        """Bounds on |latent| per layer (reloaded weights); only a quantized format keeps a scale from them."""
+
     @property
     def packed_bytes_per_token(self) -> int:
         return self.packed_width * next(iter(self.latent.values())).element_size()
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
         """Every per-layer tensor, in a fixed order (the packed page layout follows it)."""
         out = []
         for layer in self.latent:
@@ -104,12 +108,12 @@ class KVStorage:
         the host tier keeps and the disk tier writes.
         """
         slots = _page_slots(pages, page_size, self.latent[next(iter(self.latent))].device)
-        packed = torch.cat([t[slots] for t in self._tensors()], dim=-1)
+        packed = torch.cat([t[slots] for t in self.tensors()], dim=-1)
         return packed.view(len(pages), page_size, -1).to("cpu", copy=True)
 
     def scatter_pages(self, pages: list[int], page_size: int, packed: torch.Tensor) -> None:
         """Inverse of `gather_pages`: write packed contents into the given (fresh) pages."""
-        tensors = self._tensors()
+        tensors = self.tensors()
         slots = _page_slots(pages, page_size, tensors[0].device)
         flat = packed.reshape(len(pages) * page_size, -1).to(tensors[0].device)
         for t, part in zip(tensors, flat.split([t.shape[1] for t in tensors], dim=-1)):
@@ -117,7 +121,7 @@ class KVStorage:
 
     @property
     def packed_width(self) -> int:
-        return sum(t.shape[1] for t in self._tensors())
+        return sum(t.shape[1] for t in self.tensors())
 
 
 class QuantizedKVStorage(KVStorage):
@@ -153,6 +157,11 @@ class QuantizedKVStorage(KVStorage):
         amax = latent_amax or {}
         self.global_scale = {layer: nvfp4_global_scale(amax.get(layer, 0.0)).to(device) for layer in self.layouts}
 
+    def set_latent_amax(self, latent_amax: dict[int, float]) -> None:
+        """New bounds (reloaded weights; the pool holds nothing): rescaled in place, which compiled graphs read."""
+        for layer, scale in self.global_scale.items():
+            scale.copy_(nvfp4_global_scale(latent_amax.get(layer, 0.0)))
+
     def write(self, layer: int, slots: torch.Tensor, latent, rope_key, index_key) -> None:
         lay = self.layouts[layer]
         self.latent[layer].index_copy_(0, slots, lay.encode_latent(latent, rope_key, self.global_scale[layer]))
@@ -167,7 +176,7 @@ class QuantizedKVStorage(KVStorage):
         index = self.index_key[layer]
         return self.layouts[layer].decode_index(select_rows(index, slots), self.dtype) if index is not None else None
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
         out = []
         for layer in self.latent:
             out.append(self.latent[layer])

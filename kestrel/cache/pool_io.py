@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from kestrel.cache.kv_pool import KVStorage
+from kestrel.cache.records import RolloutRecords
 from kestrel.cache.state_pool import StateStorage
 
 
@@ -27,18 +28,30 @@ class CacheIO(Protocol):
 
 
 class PoolIO:
-    """`CacheIO` over the model runner's KV pool and KDA state pool (`states` is None without KDA layers)."""
+    """`CacheIO` over the model runner's KV pool and KDA state pool (`states` is None without KDA layers).
 
-    def __init__(self, kv: KVStorage, states: StateStorage | None, page_size: int) -> None:
-        self.kv, self.states, self.page_size = kv, states, page_size
+    With rollout records, a packed page also carries its tokens' record rows (int32 bytes after the KV values), so a
+    page that comes back from the host or disk tier still says what its tokens were routed to.
+    """
+
+    def __init__(
+        self, kv: KVStorage, states: StateStorage | None, page_size: int, records: RolloutRecords | None = None
+    ) -> None:
+        self.kv, self.states, self.page_size, self.records = kv, states, page_size, records
 
     def copy_state(self, src: int, dst: int) -> None:
         self.states.copy(src, dst)
 
     def gather_pages(self, pages: list[int]) -> torch.Tensor:
-        return self.kv.gather_pages(pages, self.page_size)
+        packed = self.kv.gather_pages(pages, self.page_size)
+        if self.records is None:
+            return packed
+        return torch.cat([packed, self.records.gather_pages(pages, self.page_size).view(packed.dtype)], dim=-1)
 
     def scatter_pages(self, pages: list[int], packed: torch.Tensor) -> None:
+        if self.records is not None:
+            packed, rows = packed.split([self.kv.packed_width, packed.shape[-1] - self.kv.packed_width], dim=-1)
+            self.records.scatter_pages(pages, self.page_size, rows.contiguous().view(torch.int32))
         self.kv.scatter_pages(pages, self.page_size, packed)
 
     def gather_state(self, slot: int) -> dict[str, torch.Tensor]:
@@ -49,4 +62,4 @@ class PoolIO:
 
     @property
     def packed_bytes_per_token(self) -> int:
-        return self.kv.packed_bytes_per_token
+        return self.kv.packed_bytes_per_token + (self.records.bytes_per_token if self.records is not None else 0)

@@ -64,10 +64,12 @@ class NoPrefixCache:
         self.has_state = slots.num_slots > 0
         self.stats = CacheStats()
 
-    def match(self, ids: list[int]) -> PrefixMatch:
+    def match(self, ids: list[int], kv_only: bool = False) -> PrefixMatch:
         return PrefixMatch(None, 0)
 
-    def acquire(self, ids: list[int], match: PrefixMatch, slot: int | None, prompt_len: int) -> Acquired:
+    def acquire(
+        self, ids: list[int], match: PrefixMatch, slot: int | None, prompt_len: int, kv_only: bool = False
+    ) -> Acquired:
         return Acquired(None, 0, [], {})
 
     def commit(
@@ -100,6 +102,9 @@ class NoPrefixCache:
         pass
 
     def clear(self) -> None:
+        pass
+
+    def set_namespace(self, namespace: str) -> None:
         pass
 
     def flush(self) -> None:

@@ -176,8 +176,11 @@ class RadixCache:
         node.checkpoint = slot
 
     # -- matching --------------------------------------------------------------------------------------
-    def match(self, ids: list[int]) -> PrefixMatch:
-        """Deepest reusable prefix of ids[:-1] (at least one token is always left to compute)."""
+    def match(self, ids: list[int], kv_only: bool = False) -> PrefixMatch:
+        """Deepest reusable prefix of ids[:-1] (at least one token is always left to compute).
+
+        `kv_only`: the caller brings the KDA states itself (a decode worker receives them with the request), so any
+        matched node will do, checkpoint or not, and the lower tiers are not probed."""
         max_pages = (len(ids) - 1) // self.page_size
         node, i = self.root, 0
         best = PrefixMatch(self.root, 0)
@@ -190,9 +193,9 @@ class RadixCache:
                 child = self._split(child, m)
             node, i = child, i + m
             self._tick(node)
-            if node.has_checkpoint or not self.has_state:
+            if node.has_checkpoint or not self.has_state or kv_only:
                 best = PrefixMatch(node, node.depth)
-        if self.hicache is not None:
+        if self.hicache is not None and not kv_only:
             pages = [self._page(ids, j) for j in range(i, max_pages)]
             # The tree's deepest node may have lost its checkpoint to the disk tier: a file there counts too.
             base = node.key[-self.page_size :] if node is not self.root and not node.has_checkpoint else None
@@ -202,11 +205,14 @@ class RadixCache:
                 best = PrefixMatch(node, node.depth, hit)
         return best
 
-    def acquire(self, ids: list[int], match: PrefixMatch, slot: int | None, prompt_len: int) -> Acquired | None:
+    def acquire(
+        self, ids: list[int], match: PrefixMatch, slot: int | None, prompt_len: int, kv_only: bool = False
+    ) -> Acquired | None:
         """Bring the matched prefix onto the device, lock it, and seed the KDA `slot` from its checkpoint.
 
         Host-tier and disk-tier parts are loaded into fresh device pages first. Returns None (and holds nothing
-        for the caller) when the device has no room for them even after eviction.
+        for the caller) when the device has no room for them even after eviction. `kv_only` (see `match`): the
+        pages alone, no checkpoint needed and no slot seeded.
         """
         self.stats.queried_tokens += prompt_len
         node = match.node
@@ -229,7 +235,7 @@ class RadixCache:
                 self.lock(disk_node)
                 self.unlock(node)
                 node = disk_node
-        if self.has_state and disk_state is None:
+        if self.has_state and disk_state is None and not kv_only:
             # A checkpoint may have been evicted while room was made: fall back to the deepest one left.
             target = node
             while target is not self.root and not target.has_checkpoint:
@@ -240,7 +246,7 @@ class RadixCache:
                 node = target
         length = node.depth
         path = node.path()
-        if self.has_state and slot is not None and length:
+        if self.has_state and slot is not None and length and not kv_only:
             if disk_state is not None and node.checkpoint is None:
                 self.io.scatter_state(slot, disk_state)
             elif node.checkpoint is not None:
@@ -562,6 +568,14 @@ class RadixCache:
         assert self.num_device_pages == sum(x.num_pages for x in nodes if x.on_device)
         assert self.num_locked_pages == sum(x.num_pages for x in nodes if x.on_device and x.lock_ref > 0)
         assert self.num_checkpoints == sum(1 for x in nodes if x.checkpoint is not None)
+
+    def set_namespace(self, namespace: str) -> None:
+        """Key pages under another model (reloaded weights): the old namespace's disk files are never matched again.
+        Call it on an empty tree (`clear` with no request holding a lock)."""
+        assert not self.root.children, "renaming the namespace of a tree that still holds nodes"
+        self.root_hash = root_hash(namespace.encode())
+        if self.hicache is not None:
+            self.hicache.set_namespace(namespace)
 
     def clear(self) -> None:
         """Drop every unlocked node from every tier held in memory (disk files stay)."""

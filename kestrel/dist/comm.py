@@ -1,13 +1,15 @@
-"""Collectives over one axis group, counting the bytes each rank hands to them (per op, reset per step).
+"""Collectives over one axis group and point-to-point transfers, counting the bytes each rank hands to them (per
+op, reset per step).
 
 A group of one issues nothing and counts nothing, so model code calls these unconditionally. Counted bytes are
 the payload this rank contributes: all_reduce and broadcast its tensor, all_gather and reduce_scatter and
-all_to_all the tensor they send.
+all_to_all the tensor they send, send (point to point, between pipeline stages) its tensor.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -95,3 +97,21 @@ def broadcast_cpu(x: torch.Tensor, group: Group, src_index: int = 0) -> torch.Te
     _count("broadcast", x)
     dist.broadcast(x, src=group.ranks[src_index], group=group.cpu_group)
     return x
+
+
+def send(x: torch.Tensor, dst: int, tag: int = 0):
+    """Start sending x to global rank `dst` (point to point; pipeline stages). Returns the work: keep x unchanged and
+    alive until `wait_all` has waited for it."""
+    _count("send", x)
+    return dist.isend(x.contiguous(), dst, tag=tag)
+
+
+def recv(x: torch.Tensor, src: int, timeout_s: float, tag: int = 0) -> torch.Tensor:
+    """Receive into x from global rank `src`; a sender that never sends fails this after `timeout_s`."""
+    dist.irecv(x, src, tag=tag).wait(timedelta(seconds=timeout_s))
+    return x
+
+
+def wait_all(works: list, timeout_s: float) -> None:
+    for work in works:
+        work.wait(timedelta(seconds=timeout_s))

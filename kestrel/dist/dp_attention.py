@@ -65,7 +65,7 @@ class DPGathered(nn.Module):
 
     def __init__(self, inner: nn.Module, groups: Groups) -> None:
         super().__init__()
-        self.inner, self.dp, self.world, self.attn_tp = inner, groups.attn_dp, groups.world, groups.attn_tp
+        self.inner, self.dp, self.world, self.attn_tp = inner, groups.attn_dp, groups.tp, groups.attn_tp
         self.partial = _defer_reduction(inner)
 
     def __getattr__(self, name: str):

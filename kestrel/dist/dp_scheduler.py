@@ -52,6 +52,10 @@ class DPScheduler:
             self._group_of.pop(id(r), None)
         return hit
 
+    def retract_all(self) -> list[Request]:
+        """Each group's started requests back to that group's queue (`Scheduler.retract_all`)."""
+        return [r for s in self.groups for r in s.retract_all()]
+
     @property
     def has_work(self) -> bool:
         return any(s.has_work for s in self.groups)

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from kestrel.cache.pool_io import PoolIO
+from kestrel.cache.state_pool import StateStorage
 from kestrel.dist import comm
 from kestrel.dist.dcp_cache import dcp_view
 from kestrel.dist.groups import Groups
-from kestrel.dist.launch import fail_job
 from kestrel.dist.dp_attention import DPStep, gather_rows, set_dp_step
+from kestrel.dist.launch import fail_job
+from kestrel.dist.pp import run_step
 from kestrel.engine.model_runner import ModelRunner, StepInputs, StepLogits, prompt_logit_chunks
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
@@ -28,6 +30,12 @@ log = logging.getLogger(__name__)
 STOP, RUN = 0, 1
 _NESTED = {"pages", "snapshots", "snapshot_slots"}
 _LEADERS: list[DistModelRunner] = []  # rank 0's runners whose followers still wait for steps
+
+
+def unsupported_layout(layout) -> str:
+    """Why a per-request option is refused under this layout (attention DP, pipeline or prefill context parallel)."""
+    names = [f"{flag} > 1" for flag, n in (("--dp-attn", layout.dp_attn), ("--pp", layout.pp), ("--pcp", layout.pcp)) if n > 1]
+    return f"not supported with {' or '.join(names)} yet"
 
 
 def release_followers() -> None:
@@ -116,7 +124,7 @@ class RecordingPoolIO(PoolIO):
     ranks' next step (and made here at once when rank 0 is one of them)."""
 
     def __init__(self, runner: DistModelRunner, group: int) -> None:
-        super().__init__(runner.kv, runner.states, runner.page_size)
+        super().__init__(runner.kv, runner.states, runner.page_size, runner.records)
         self.runner, self.group = runner, group
 
     def copy_state(self, src: int, dst: int) -> None:
@@ -147,6 +155,8 @@ class DistModelRunner(ModelRunner):
         if groups.rank == 0:  # the pools' sizes, so that every rank's page and slot ids mean the same rows
             comm.broadcast_cpu(torch.tensor([num_pages, page_size, num_slots]), groups.world)
         super().__init__(model, num_pages, page_size, num_slots, kv_dtype, kv_cache_dtype=kv_cache_dtype)
+        if self.states is None:  # a pipeline stage without KDA layers: the scheduler's state copies are no-ops here
+            self.states = StateStorage(model.cfg, num_slots + 1, model.dtype, model.device)
         self.pending: list[list[tuple[int, int]]] = [[] for _ in range(groups.layout.dp_attn)]
         self.idle_group_steps = 0  # steps in which some attention-DP group had nothing to run
         if groups.rank == 0:
@@ -162,9 +172,14 @@ class DistModelRunner(ModelRunner):
     def kv_rows_per_page(self, page_size: int) -> int:
         return page_size // self.groups.dcp.size
 
-    def build(self, inputs):
+    @property
+    def staged(self) -> bool:
+        """Pipeline stages or prefill context parallelism: steps run through `kestrel.dist.pp.run_step`."""
+        return self.groups.layout.pp > 1 or self.groups.layout.pcp > 1
+
+    def build(self, inputs, decode_rows: int | None = None):
         """The batch over this rank's pools; under DCP its cache view keeps only this rank's tokens."""
-        batch, rows = super().build(inputs)
+        batch, rows = super().build(inputs, decode_rows)
         batch.cache = dcp_view(batch.cache, batch.positions, self.page_size, self.groups.dcp, self.groups.layout)
         return batch, rows
 
@@ -197,22 +212,24 @@ class DistModelRunner(ModelRunner):
         return batch, rows, msg.post_copies
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
+    def execute(self, plan: SchedulePlan) -> tuple[StepLogits, ForwardBatch]:
         group_plans = getattr(plan, "group_plans", None)
         if group_plans is not None and prompt_logit_chunks(plan):
-            raise ValueError("prompt_logprobs: not supported with attention DP (--dp-attn > 1) yet")
-        if group_plans is not None and (routed or any(c.request.routed_experts is not None for c in plan.chunks)):
-            raise ValueError("return_routed_experts: not supported with attention DP (--dp-attn > 1) yet")
+            raise ValueError(f"prompt_logprobs: {unsupported_layout(self.groups.layout)}")
         try:
-            return self._execute(plan, routed, group_plans)
+            return self._execute(plan, group_plans)
         except Exception as exc:  # once the step is broadcast, the other ranks wait in collectives: no going on
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             fail_job(f"step failed on rank 0 ({reason})")
             raise
 
-    def _execute(self, plan: SchedulePlan, routed: bool, group_plans) -> tuple[StepLogits, ForwardBatch]:
+    def _execute(self, plan: SchedulePlan, group_plans) -> tuple[StepLogits, ForwardBatch]:
+        if group_plans is None and self.staged:
+            msg = self._message(plan, 0)
+            send_step([msg], self.groups)
+            return run_step(self, msg)
         if group_plans is None:
-            return super().execute(plan, routed)
+            return super().execute(plan)
         messages = [self._message(p, g) for g, p in enumerate(group_plans)]
         send_step(messages, self.groups)
         sample, batch = self._run_dp(messages)
@@ -237,6 +254,9 @@ class DistModelRunner(ModelRunner):
     def follow(self) -> None:
         """Ranks > 0: run rank 0's steps until it sends stop."""
         while (messages := receive_step(self.groups)) is not None:
+            if self.staged:
+                run_step(self, messages[0])
+                continue
             if len(messages) > 1:
                 self._run_dp(messages)
                 continue

@@ -19,6 +19,7 @@ from kestrel.config import ModelConfig, load_model_config
 from kestrel.dist.dp_attention import DPGathered
 from kestrel.dist.groups import Groups
 from kestrel.dist.moe import ParallelExperts
+from kestrel.dist.pcp import wrap_kda_layers
 from kestrel.dist.parallel import (
     ColumnParallelLinear,
     ParallelFusedLinear,
@@ -28,6 +29,7 @@ from kestrel.dist.parallel import (
     split_conv1d,
     split_vector,
 )
+from kestrel.dist.pp import keep_stage, stage_skip
 from kestrel.models.decoder import CausalLM
 from kestrel.models.layers.kda import KDAAttention
 from kestrel.models.layers.mla import MLAAttention
@@ -61,18 +63,18 @@ def shard_kda(m: KDAAttention, groups: Groups) -> None:
 
 
 def shard_mlp(m: DenseMLP, groups: Groups) -> None:
-    m.gate_up_proj = ParallelFusedLinear(m.gate_up_proj, groups.world, {"gate_proj", "up_proj"})
-    m.down_proj = RowParallelLinear(m.down_proj, groups.world)
+    m.gate_up_proj = ParallelFusedLinear(m.gate_up_proj, groups.tp, {"gate_proj", "up_proj"})
+    m.down_proj = RowParallelLinear(m.down_proj, groups.tp)
 
 
 def shard_moe(m: MoE, groups: Groups, dispatch: str) -> None:
     lay = groups.layout
     m.experts = ParallelExperts(
-        m.experts, lay.owners(m.gate.n_experts), groups.moe_ep, groups.moe_tp, groups.world, dispatch
+        m.experts, lay.owners(m.gate.n_experts), groups.moe_ep, groups.moe_tp, groups.tp, dispatch
     )
     if m.latent:
-        m.routed_expert_down_proj = ColumnParallelLinear(m.routed_expert_down_proj, groups.world, gather=True)
-        m.routed_expert_up_proj = ColumnParallelLinear(m.routed_expert_up_proj, groups.world, gather=True)
+        m.routed_expert_down_proj = ColumnParallelLinear(m.routed_expert_down_proj, groups.tp, gather=True)
+        m.routed_expert_up_proj = ColumnParallelLinear(m.routed_expert_up_proj, groups.tp, gather=True)
     if m.shared_experts is not None:
         shard_mlp(m.shared_experts, groups)
 
@@ -95,14 +97,14 @@ def _shard_layers(model: CausalLM, groups: Groups, dispatch: str) -> None:
             shard_moe(module, groups, dispatch)
         elif isinstance(module, DenseMLP) and module not in shared:
             shard_mlp(module, groups)
-    inner = model.model
-    inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, groups.world)
-    if model.cfg.tie_word_embeddings:
-        head = ParallelLMHead(model.lm_head, groups.world)
-        head.weight = inner.embed_tokens.weight
+    inner = model.model  # a pipeline stage may hold neither end (kestrel.dist.pp)
+    if inner.embed_tokens is not None:
+        inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, groups.tp)
+    if model.lm_head is not None:
+        head = ParallelLMHead(model.lm_head, groups.tp)
+        if model.cfg.tie_word_embeddings:
+            head.weight = inner.embed_tokens.weight
         model.lm_head = head
-    else:
-        model.lm_head = ParallelLMHead(model.lm_head, groups.world)
 
 
 def shared_experts(model: nn.Module) -> set[nn.Module]:
@@ -147,13 +149,20 @@ def load_sharded_model(
 ) -> tuple[CausalLM, ModelConfig]:
     """This rank's shard of the checkpoint: built on meta, sharded, allocated, then only its slices read."""
     cfg = load_model_config(path)
-    groups.layout.validate(cfg)
+    lay = groups.layout
+    lay.validate(cfg)
     model = build_model(cfg, dtype, "meta")
+    skip = None
+    if lay.pp > 1:  # this stage's layers (and ends) only
+        keep_stage(model, lay, groups.stage)
+        skip = stage_skip(cfg, lay, groups.stage)
     shard_model(model, groups, dispatch)
     materialize(model, torch.device(device))
-    load_weights(model, path, progress=groups.rank == 0)
-    if groups.layout.dp_attn > 1:  # the embedding and MLPs run over every group's rows (wrapped once loaded)
+    load_weights(model, path, progress=groups.rank == 0, skip=skip)
+    if lay.dp_attn > 1:  # the embedding and MLPs run over every group's rows (wrapped once loaded)
         model.model.embed_tokens = DPGathered(model.model.embed_tokens, groups)
         for layer in model.model.layers:
             layer.mlp = DPGathered(layer.mlp, groups)
+    if lay.pcp > 1:  # KDA layers compose their prefill segments over the PCP group (wrapped once loaded)
+        wrap_kda_layers(model, groups.pcp)
     return model.eval(), cfg

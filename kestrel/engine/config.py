@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kestrel.config import ConfigError
+from kestrel.dist.groups import PCP_SPLITS
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SPEC_ALGORITHMS = ("dflash",)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "fake")
 
 
 @dataclass
@@ -40,6 +43,9 @@ class EngineConfig:
         default=None, metadata={"help": "longest prompt + output (default: the model's, capped at 32768)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampling generators"})
+    encoder_cache_tokens: int = field(
+        default=16384, metadata={"help": "image feature rows kept for reuse by content hash (vision models)"}
+    )
     # Prefix cache (radix tree with KDA state checkpoints) and its lower tiers (HiCache).
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prompt prefixes (radix tree)"})
     state_track_interval: int = field(
@@ -84,6 +90,23 @@ class EngineConfig:
         default=False, metadata={"help": "KDA rollback by replaying accepted tokens (else per-position snapshots)"}
     )
 
+    # RL rollouts: what each token was routed to, kept beside its KV (prefix-cache hits return full rows), and
+    # batch-invariant numerics (a trainer in the same mode recomputes the rollout's logprobs bit for bit).
+    enable_return_routed_experts: bool = field(
+        default=False, metadata={"help": "record every token's routed experts for /generate's return_routed_experts"}
+    )
+    enable_return_indexer_topk: bool = field(
+        default=False,
+        metadata={"help": "record every token's DSA top-k positions for return_indexer_topk (4 B x layers x top-k)"},
+    )
+    deterministic_inference: bool = field(
+        default=False,
+        metadata={
+            "help": "batch-invariant kernels: rollout logprobs bit-identical to a trainer's in the same mode (slower)",
+            "aliases": ["--enable-deterministic-inference"],
+        },
+    )
+
     # LoRA serving (kestrel.models.lora): adapters beside the frozen base, chosen per request.
     enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (implied by --lora-paths)"})
     lora_paths: list[str] | None = field(
@@ -92,6 +115,10 @@ class EngineConfig:
     )
     max_loras_per_batch: int = field(default=8, metadata={"help": "distinct adapters in one engine step"})
     max_lora_rank: int | None = field(default=None, metadata={"help": "largest adapter rank accepted (default: any)"})
+
+    weight_version: str = field(
+        default="default", metadata={"help": "version tag of the loaded weights, reported with every /generate result"}
+    )
 
     # Parallelism (kestrel.dist): one process per rank; rank 0 schedules and samples, the others follow.
     tp: int = field(default=1, metadata={"help": "tensor-parallel ranks", "aliases": ["--tp-size"]})
@@ -112,6 +139,24 @@ class EngineConfig:
         default="alltoall",
         metadata={"help": "combining DCP partial attention outputs", "choices": ("alltoall", "allgather")},
     )
+    pcp: int = field(
+        default=1,
+        metadata={
+            "help": "prefill context parallelism: long prefills split by token over N copies of the model",
+            "aliases": ["--pcp-size"],
+        },
+    )
+    pcp_split: str = field(
+        default="zigzag",
+        metadata={"help": "prefill tokens to PCP ranks: zigzag (2N blocks) or roundrobin", "choices": PCP_SPLITS},
+    )
+    pcp_block: int = field(default=64, metadata={"help": "tokens per round-robin PCP block"})
+    pp: int = field(default=1, metadata={"help": "pipeline stages (layers split over them)", "aliases": ["--pp-size"]})
+    pp_partition: str | None = field(
+        default=None,
+        metadata={"help": "layers per stage, e.g. 3,1 (default: KESTREL_PP_LAYER_PARTITION, else even)"},
+    )
+    pp_micro_batches: int = field(default=0, metadata={"help": "micro-batches per step for stage overlap (0: --pp)"})
     enable_dp_attention: bool = field(
         default=False, metadata={"help": "SGLang's switch; --dp-size is then the attention-DP size (as --dp-attn)"}
     )
@@ -129,9 +174,40 @@ class EngineConfig:
     )
     dist_timeout: float = field(default=60.0, metadata={"help": "seconds before a stuck collective fails the job"})
 
+    # Prefill/decode disaggregation (kestrel.disagg): SGLang's flags; sglang-router pairs the two roles per request.
+    disaggregation_mode: str = field(
+        default="null",
+        metadata={"help": "null (one worker does both), prefill or decode", "choices": DISAGGREGATION_MODES},
+    )
+    disaggregation_bootstrap_port: int = field(
+        default=8998, metadata={"help": "prefill: port of the bootstrap server decode workers look the rank up at"}
+    )
+    disaggregation_bootstrap_host: str | None = field(
+        default=None, metadata={"help": "address the bootstrap server and the transfer engine use (default: --host)"}
+    )
+    disaggregation_transfer_backend: str = field(
+        default="mooncake",
+        metadata={
+            "help": "KV transport: mooncake, or fake (instant success, no data: warm-up)",
+            "choices": TRANSFER_BACKENDS,
+        },
+    )
+    disaggregation_ib_device: str | None = field(
+        default=None, metadata={"help": "RDMA device(s) for Mooncake, e.g. mlx5_0 (default: TCP)"}
+    )
+    disaggregation_transfer_timeout: float = field(
+        default=300.0, metadata={"help": "seconds a request may wait for its KV (either side) before it fails"}
+    )
+
+    @property
+    def world(self) -> int:
+        """Processes the layout runs (one per rank)."""
+        return self.tp * self.pcp * self.pp
+
     def parallel_layout(self):
         """The `kestrel.dist` layout these options ask for."""
         from kestrel.dist.groups import ParallelLayout
+        from kestrel.dist.pp import configured_partition
 
         owners = tuple(int(x) for x in self.ep_expert_map.split(",")) if self.ep_expert_map else None
         return ParallelLayout(
@@ -139,10 +215,16 @@ class EngineConfig:
             ep=self.ep,
             dp_attn=self.dp_attn,
             dcp=self.dcp,
+            pcp=self.pcp,
+            pp=self.pp,
             expert_map=owners,
             dcp_interleave=self.dcp_interleave,
             dcp_candidates=self.dcp_topk_candidates,
             dcp_merge=self.dcp_merge,
+            pcp_split=self.pcp_split,
+            pcp_block=self.pcp_block,
+            pp_partition=configured_partition(self.pp_partition, self.pp),
+            pp_micro_batches=self.pp_micro_batches,
         )
 
     def __post_init__(self) -> None:
@@ -166,6 +248,7 @@ class EngineConfig:
         )
         need(self.max_states_per_path >= -1, "max_states_per_path", "must be >= 0, or -1 for unlimited")
         need(self.max_state_checkpoints is None or self.max_state_checkpoints >= 0, "max_state_checkpoints", ">= 0")
+        need(self.encoder_cache_tokens >= 0, "encoder_cache_tokens", "must be >= 0")
         need(self.num_threads >= 0, "num_threads", "must be >= 0 (0: torch's default)")
         need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
@@ -173,7 +256,7 @@ class EngineConfig:
         need(2 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens", "must be in [2, 16]")
         need(self.speculative_draft_window_size >= 1, "speculative_draft_window_size", "must be >= 1")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 (GB of host memory; 0 = no host tier)")
-        for name in ("tp", "ep", "dp_attn", "dcp", "dcp_interleave", "dcp_topk_candidates", "nnodes"):
+        for name in ("tp", "ep", "dp_attn", "dcp", "dcp_interleave", "dcp_topk_candidates", "pcp", "pp", "nnodes"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         need(self.tp % self.dcp == 0, "dcp", f"must divide --tp ({self.tp})")
         need(
@@ -184,6 +267,22 @@ class EngineConfig:
         need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
         need(self.dist_timeout > 0, "dist_timeout", "must be > 0 seconds")
         need(self.moe_dispatch in ("allgather", "alltoall"), "moe_dispatch", "allgather|alltoall")
+        need(self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode", "|".join(DISAGGREGATION_MODES))
+        need(
+            self.disaggregation_transfer_backend in TRANSFER_BACKENDS,
+            "disaggregation_transfer_backend",
+            "|".join(TRANSFER_BACKENDS),
+        )
+        need(0 <= self.disaggregation_bootstrap_port <= 65535, "disaggregation_bootstrap_port", "must be in [0, 65535]")
+        need(self.disaggregation_transfer_timeout > 0, "disaggregation_transfer_timeout", "must be > 0 seconds")
+        if self.disaggregation_mode != "null":
+            # The transfer maps one page table and one state slot per request onto the peer's: one rank each side.
+            need(
+                self.world == 1 and self.dcp == 1,
+                "disaggregation_mode",
+                "needs one rank per worker (--tp/--pcp/--pp 1) for now",
+            )
+            need(self.nnodes == 1, "disaggregation_mode", "needs --nnodes 1 for now")
         if self.ep_expert_map is not None:
             owners = self.ep_expert_map.split(",")
             need(all(x.strip().isdigit() for x in owners), "ep_expert_map", "ints, comma-separated")
@@ -199,11 +298,27 @@ class EngineConfig:
         need(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         if self.enable_lora:
             need(not self.compile, "compile", "not supported with --enable-lora yet")
-            need(self.tp == 1, "tp", "--enable-lora needs --tp 1 for now")
-        if self.tp > 1:
-            need(not self.compile, "compile", "not supported with --tp > 1 yet")
-            need(self.hicache_size == 0 and self.hicache_storage_dir is None, "hicache_size", "not with --tp > 1 yet")
-            need(self.speculative_algorithm is None, "speculative_algorithm", "not with --tp > 1 yet")
+            need(self.world == 1, "tp", "--enable-lora needs one process (--tp/--pcp/--pp 1) for now")
+        if self.world > 1:
+            need(not self.compile, "compile", "not supported with --tp/--pcp/--pp > 1 yet")
+            need(
+                self.hicache_size == 0 and self.hicache_storage_dir is None,
+                "hicache_size",
+                "not with --tp/--pcp/--pp > 1 yet",
+            )
+            need(self.speculative_algorithm is None, "speculative_algorithm", "not with --tp/--pcp/--pp > 1 yet")
+        if self.deterministic_inference:
+            why = "not supported with --deterministic-inference yet"
+            need(not self.compile, "compile", why + " (inductor fuses ops into other reduction orders)")
+            need(self.kv_cache_dtype == "auto", "kv_cache_dtype", "must be auto with --deterministic-inference")
+            need(self.speculative_algorithm is None, "speculative_algorithm", why)
+            need(self.world == 1 and self.nnodes == 1, "tp", why + " (one process: --tp/--pcp/--pp 1)")
+        if self.enable_return_routed_experts or self.enable_return_indexer_topk:
+            need(self.dp_attn == 1 and not self.enable_dp_attention, "dp_attn", "not with rollout capture yet")
+            need(self.dcp == 1, "dcp", "not with rollout capture yet")
+            need(self.pcp == 1 and self.pp == 1, "pcp" if self.pcp > 1 else "pp", "not with rollout capture yet")
+            # A decode worker receives pages, not the prefill worker's records of them.
+            need(self.disaggregation_mode == "null", "disaggregation_mode", "not with rollout capture yet")
         need(
             self.hicache_write_policy in HICACHE_WRITE_POLICIES,
             "hicache_write_policy",

@@ -20,22 +20,31 @@ from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
+from kestrel.cache.records import record_bytes_per_token
 from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
+from kestrel.disagg.messages import FirstToken
+from kestrel.disagg.role import BootstrapTarget, TransferRecord, build_role
 from kestrel.dist.dp_scheduler import dp_scheduling
 from kestrel.dist.engine_ranks import engine_groups
+from kestrel.dist.pp import stage_configs
 from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
-from kestrel.engine.grammar import GrammarBackend, GrammarMatcher
+from kestrel.engine.encoder_cache import EncoderCache
+from kestrel.engine.grammar import GrammarBackend, new_matcher
+from kestrel.engine.lora_registry import AdapterRegistry, AdapterVersion, started
 from kestrel.engine.model_runner import ModelRunner
 from kestrel.engine.request import Request
 from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import SchedulePlan, Scheduler
+from kestrel.engine.weight_sync import reload_weights, restart
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
-from kestrel.models.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAManager, load_peft
+from kestrel.models.lora import LoRAManager
+from kestrel.models.vision.inputs import image_offsets
+from kestrel.models.vision.preprocess import ProcessedImage
 from kestrel.spec.draft import load_spec_draft
 from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
@@ -71,8 +80,15 @@ class CompletionOutput:
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
     error: str | None = None
+    error_status: int = 400  # HTTP status of `error` (5xx: a peer worker failed, not the request)
     spec_accept_length: float | None = None  # mean tokens committed per verify block (speculative decoding)
     spec_verify_ct: int = 0  # verify blocks the sequence went through
+    # Rollout capture, one row per token that went through the model (prompt + outputs but the last), int32:
+    routed_experts: torch.Tensor | None = None  # [tokens, MoE layers, top_k] expert ids
+    indexer_topk: torch.Tensor | None = None  # [tokens, DSA layers, index_topk] positions, ascending, -1 padded
+    weight_version: str | None = None  # the weights it ran on (None: never scheduled)
+    lora_version: str | None = None  # its adapter's version tag and checksum (None: the base, or never scheduled)
+    lora_checksum: str | None = None
 
 
 @dataclass
@@ -91,6 +107,7 @@ class StepResult:
 
     advanced: list[Request] = field(default_factory=list)
     finished: list[RequestOutput] = field(default_factory=list)
+    transfers: list[TransferRecord] = field(default_factory=list)  # KV transfers that ended (disaggregation)
 
 
 class Engine:
@@ -111,11 +128,19 @@ class Engine:
             self.model, self.model_config = load_sharded_model(
                 path, self.groups, DTYPES[config.dtype], self.device, config.moe_dispatch
             )
+        if config.deterministic_inference:
+            if self.model_config.routed_expert_format == "mxfp4":
+                raise ValueError("deterministic_inference: not supported with MXFP4-packed experts yet")
+            self.model.batch_invariant = True
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         num_slots = self._num_slots()
-        self.kv_bytes_per_token = kv_bytes_per_token(cfg, DTYPES[config.dtype], config.kv_cache_dtype) // config.dcp
+        # Per rank: DCP shards every page's tokens; pipeline stages hold their layers' pools only (the fullest one
+        # bounds the pool every stage allocates).
+        views = [cfg] if self.groups is None else stage_configs(cfg, self.groups.layout)
+        kv_dtype, kv_format = DTYPES[config.dtype], config.kv_cache_dtype
+        self.kv_bytes_per_token = max(kv_bytes_per_token(v, kv_dtype, kv_format) for v in views) // config.dcp
         num_pages = self._num_pages(num_slots)
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers
@@ -127,6 +152,10 @@ class Engine:
             self.runner = ModelRunner(*pools, compile_max_bs, config.kv_cache_dtype)
         else:
             self.runner = DistModelRunner(*pools, self.groups, config.kv_cache_dtype)
+        if self.model.has_vision:
+            self.runner.encoder_cache = EncoderCache(self.model, config.encoder_cache_tokens)
+        if config.enable_return_routed_experts or config.enable_return_indexer_topk:
+            self.runner.enable_records(config.enable_return_routed_experts, config.enable_return_indexer_topk)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.draft = load_spec_draft(config, path, self.model) if config.speculative_algorithm else None
@@ -158,14 +187,14 @@ class Engine:
             config.max_loras_per_batch if config.enable_lora else None,
         )
         self.lora: LoRAManager | None = None
-        self._lora_key: dict[str, int] = {}  # adapter name -> its prefix-cache key offset
-        self.lora_paths: dict[str, str] = {}  # adapter name -> the folder it was loaded from
-        self._lora_keys_used: set[int] = set()  # never reused in a run: an unloaded adapter's pages may linger
         if config.enable_lora:
             self.lora = self.runner.lora = LoRAManager(self.model)
-            for entry in config.lora_paths or []:
-                name, _, lora_path = entry.partition("=")
-                self.load_lora_adapter(name, lora_path)
+        self.adapters = AdapterRegistry(self.lora, cfg.vocab_size, config.max_lora_rank)
+        self._groups: dict[str, list[Request]] = {}
+        for entry in config.lora_paths or []:
+            name, _, lora_path = entry.partition("=")
+            self.load_lora_adapter(name, lora_path)
+        self.weight_version = config.weight_version
         if self.groups is not None and self.groups.layout.dp_attn > 1:  # a scheduler and pools per attention group
             self.pages, self.slots, self.cache, self.scheduler = dp_scheduling(self, num_pages, num_slots)
         self.eos_token_ids = set(eos)
@@ -182,8 +211,9 @@ class Engine:
                 config.enable_linear_replayssm_spec,
                 self.max_model_len,
             )
+        # Prefill/decode disaggregation: the role's hooks in add_request, step and the output step.
+        self.disagg = build_role(self) if config.disaggregation_mode != "null" else None
         self._arrivals = itertools.count()
-        self._groups: dict[str, list[Request]] = {}
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
         log.info(
@@ -220,6 +250,10 @@ class Engine:
             tokens = config.max_total_tokens
         else:
             per_token = max(self.kv_bytes_per_token, 1)
+            if self.device.type == "cpu":  # rollout records live in host memory, which is this device's
+                per_token += record_bytes_per_token(
+                    self.model_config, config.enable_return_routed_experts, config.enable_return_indexer_topk
+                )
             budget = free_memory_bytes(self.device) * config.mem_fraction
             budget -= num_slots * state_bytes_per_slot(self.model.cfg, DTYPES[config.dtype])  # this rank's heads
             tokens = int(budget // per_token)
@@ -254,8 +288,17 @@ class Engine:
         request_id: str | None = None,
         return_routed_experts: bool = False,
         lora_name: str | None = None,
+        return_indexer_topk: bool = False,
+        bootstrap: BootstrapTarget | None = None,
+        images: list[ProcessedImage] | None = None,
     ) -> str:
-        """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it."""
+        """Validate and queue (n sub-requests for n > 1). Nothing is allocated until the scheduler admits it.
+
+        `return_routed_experts` / `return_indexer_topk`: the finished output carries what every token was routed to
+        (needs the engine started with the matching `enable_return_*` option). `bootstrap` (disaggregated workers):
+        the room pairing this request's prefill and decode halves. `images`: the prompt's preprocessed images, one
+        per run of placeholder tokens (`vision.image_token_id`), in order, each run as long as the image's
+        `num_tokens`."""
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -267,12 +310,23 @@ class Engine:
             if params.prompt_logprobs is not None or return_routed_experts:
                 field = "prompt_logprobs" if params.prompt_logprobs is not None else "return_routed_experts"
                 raise ValueError(f"{field}: not supported with attention DP (--dp-attn > 1) yet")
-        if lora_name is not None and lora_name not in self._lora_key:
+        for name, asked in (("routed_experts", return_routed_experts), ("indexer_topk", return_indexer_topk)):
+            if asked and not getattr(self.config, f"enable_return_{name}"):
+                flag = f"--enable-return-{name.replace('_', '-')}"
+                raise ValueError(f"return_{name}: the server records them only when started with {flag}")
+        if lora_name is not None and lora_name not in self.adapters.public:
             off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
             raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")
+        offsets = self._image_offsets(ids, images) if images else []
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.disagg is not None:
+            mode = self.config.disaggregation_mode
+            if bootstrap is None:
+                raise ValueError(f"bootstrap_room: required by a {mode} worker (send requests through the PD router)")
+            if params.n != 1:
+                raise ValueError(f"n: must be 1 on a {mode} worker (one bootstrap room per sequence)")
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         group = []
         for i in range(params.n):
@@ -290,58 +344,106 @@ class Engine:
                 )
             req = Request(request_id, ids, sub, arrival=next(self._arrivals))
             req.generator = self.sampler.make_generator(sub, self.device)
-            req.matcher = GrammarMatcher(sub.grammar) if sub.grammar is not None else None
-            req.routed_experts = [] if return_routed_experts else None
+            req.matcher = new_matcher(sub.grammar) if sub.grammar is not None else None
+            req.return_routed_experts, req.return_indexer_topk = return_routed_experts, return_indexer_topk
             if lora_name is not None:
-                req.lora_name, req.cache_key_offset = lora_name, self._lora_key[lora_name]
+                req.lora_name, req.cache_key_offset = lora_name, self.adapters.public[lora_name].cache_key_offset
+            if images:
+                req.images, req.image_offsets = list(images), offsets
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, sub.skip_special_tokens, sub.stop, sub.include_stop_str_in_output
                 )
             group.append(req)
-            self.scheduler.add(req)
+            if self.disagg is not None:
+                req.bootstrap = bootstrap
+                self.disagg.add(req)
+            else:
+                self.scheduler.add(req)
         self._groups[request_id] = group
         return request_id
 
+    @property
+    def supports_images(self) -> bool:
+        """A vision tower is loaded and this deployment can run it (single process for now)."""
+        return self.model_config.vision is not None and self.groups is None
+
+    def _image_offsets(self, ids: list[int], images: list[ProcessedImage]) -> list[int]:
+        if self.model_config.vision is None:
+            raise ValueError("images: this model has no vision tower; it takes text only")
+        if self.groups is not None:
+            raise ValueError("images: not supported with --tp > 1 yet (the vision tower runs on one process)")
+        return image_offsets(ids, images, self.model_config.vision.image_token_id)
+
     # -- LoRA adapters -----------------------------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter under `name`; ValueError naming what is wrong (missing file, shapes, rank)."""
-        if self.lora is None:
-            raise ValueError("lora: LoRA serving is off (start with --enable-lora)")
-        if name in self._lora_key:
-            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
-        adapter = load_peft(path, name)
-        self.lora.add(adapter, self.config.max_lora_rank)
-        # The cache namespace follows the adapter's bytes, so a disk-tier hit after a restart is the same adapter.
-        digest = hashlib.sha256()
-        for f in (CONFIG_FILE, WEIGHTS_FILE):
-            digest.update((Path(path) / f).read_bytes())
-        spaces = (1 << 32) // self.model_config.vocab_size - 1  # shifted ids stay 4-byte page keys
-        key = int.from_bytes(digest.digest()[:8], "little") % spaces + 1
-        while key in self._lora_keys_used:
-            key = key % spaces + 1
-        self._lora_keys_used.add(key)
-        self._lora_key[name] = key * self.model_config.vocab_size
-        self.lora_paths[name] = str(path)
+    def load_lora_adapter(
+        self,
+        name: str,
+        path: str,
+        replace: bool = False,
+        version: str | None = None,
+        checksum: str | None = None,
+    ) -> AdapterVersion:
+        """Load a PEFT adapter under `name`, or (`replace`) swap the version behind it between two steps: requests
+        that started on the old version finish on it (see `AdapterRegistry`). ValueError naming what is wrong
+        (missing file, shapes, rank, checksum)."""
+        return self.adapters.load(name, path, self._requests_naming(name), replace, version, checksum)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Drop an adapter no queued or running request uses (ValueError otherwise)."""
-        if self.lora is None or name not in self._lora_key:
-            raise ValueError(f"lora_name: adapter {name!r} is not loaded")
-        if any(r.lora_name == name for g in self._groups.values() for r in g if not r.is_finished):
-            raise ValueError(f"lora_name: adapter {name!r} is in use by queued or running requests")
-        self.lora.remove(name)
-        del self._lora_key[name], self.lora_paths[name]
+        self.adapters.unload(name, self._requests_naming(name))
+
+    def _requests_naming(self, name: str) -> list[Request]:
+        return [r for g in self._groups.values() for r in g if r.lora_name == name and not r.is_finished]
+
+    def _collect_adapters(self) -> None:
+        if self.adapters.retired:
+            self.adapters.collect({r.lora_name for g in self._groups.values() for r in g if not r.is_finished})
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """Adapter name -> the folder its current version was loaded from."""
+        return {name: e.path for name, e in self.adapters.public.items()}
 
     @property
     def lora_names(self) -> list[str]:
-        return list(self._lora_key)
+        return list(self.adapters.public)
+
+    # -- weight sync -------------------------------------------------------------------------------------
+    def update_weights_from_disk(self, path: str, version: str | None = None) -> None:
+        """Reload the weights in place from a checkpoint of the same architecture and flush the prefix cache.
+        Call it between steps with no request started (`started_requests`): ValueError naming the problem, with
+        the old weights untouched, for a checkpoint that does not match."""
+        reload_weights(self, Path(path), model_fingerprint(Path(path), self.config))
+        if self.runner.encoder_cache is not None:  # image features of the old tower
+            self.runner.encoder_cache.clear()
+        if version is not None:
+            self.weight_version = version
+
+    def retract_all(self) -> list[Request]:
+        """Every started request goes back to the queue and forgets what it computed; it reruns from its prompt."""
+        retracted = self.scheduler.retract_all()
+        for req in retracted:
+            restart(self, req)
+        return retracted
+
+    def started_requests(self) -> list[Request]:
+        return [r for g in self._groups.values() for r in g if not r.is_finished and started(r)]
+
+    def _stamp_versions(self, req: Request) -> None:
+        req.weight_version = self.weight_version
+        if req.lora_name is not None:
+            entry = self.adapters.entries[req.lora_name]
+            req.lora_version, req.lora_checksum = entry.version, entry.checksum
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its pages and state slot return to the free lists immediately."""
         hit = self.scheduler.abort(request_id)
-        self._groups.pop(request_id, None)
-        return bool(hit)
+        if self.disagg is not None:
+            self.disagg.abort(request_id)
+        found = self._groups.pop(request_id, None)
+        self._collect_adapters()
+        return bool(found or hit)
 
     def requests(self, request_id: str) -> list[Request]:
         """The live sub-requests of a group (empty once it finished or was aborted)."""
@@ -349,14 +451,32 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.disagg is not None and self.disagg.has_work)
 
     # -- the loop --------------------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Run one model step; return the requests it advanced and the groups that finished during it."""
-        plan = self.scheduler.schedule()
-        done: list[Request] = list(plan.rejected)
+        done: list[Request] = []
         advanced: list[Request] = []
+        transfers: list[TransferRecord] = []
+        if self.disagg is not None:
+            events = self.disagg.poll(idle=not self.scheduler.has_work)
+            for req, first in events.joined:  # decode: the prompt arrived; its first token is output like any
+                advanced.append(req)
+                if self._append_token(req, first.token, first.logprob, first.top):
+                    done.append(req)
+            done += events.finished
+            transfers = events.transfers
+            if events.joined:  # their first token goes out now, not one decode step later (TTFT)
+                advanced += [r for r in done if r not in advanced]
+                finished = self._collect_finished(done)
+                self._collect_adapters()
+                return StepResult(advanced, finished, transfers)
+        plan = self.scheduler.schedule()
+        for chunk in plan.chunks:
+            if chunk.request.weight_version is None:
+                self._stamp_versions(chunk.request)
+        done += plan.rejected
         if not plan.empty:
             if self.spec is not None:
                 self.spec.propose(plan)
@@ -379,10 +499,13 @@ class Engine:
                 out = self.sampler.sample(logits.sample, rows)
                 sampled = [[tok] for tok in zip(out.token_ids, out.logprobs, out.top_logprobs)]
             self.scheduler.advance(plan)
-            advanced, finished = self._process_outputs(plan, sampled)
+            stepped, finished = self._process_outputs(plan, sampled)
+            advanced += stepped
             done += finished
         advanced += [r for r in done if r not in advanced]
-        return StepResult(advanced, self._collect_finished(done))
+        finished = self._collect_finished(done)
+        self._collect_adapters()
+        return StepResult(advanced, finished, transfers)
 
     def _process_outputs(
         self, plan: SchedulePlan, sampled: list[list[tuple[int, float, list | None]]]
@@ -399,18 +522,42 @@ class Engine:
             req = chunk.request
             advanced.append(req)
             for token, logprob, top in sampled[len(advanced) - 1]:
-                req.output_ids.append(token)
-                if req.params.logprobs is not None:
-                    req.logprobs.append(logprob)
-                    req.top_logprobs.append(top)
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    if req.detokenizer is not None and not req.detokenizer.stopped:
-                        req.output_text += req.detokenizer.flush()
+                if req.bootstrap is not None and self.config.disaggregation_mode == "prefill":
+                    # The prefill half ends at its first token: the request keeps its pages while they move.
+                    self._record_token(req, token, logprob, top)
+                    self.disagg.hand_off(req, FirstToken(token, logprob, top))
+                    break
+                if self._append_token(req, token, logprob, top):
                     finished.append(req)
                     break
         return advanced, finished
+
+    def _read_records(self, req: Request) -> None:
+        """A finishing request's rollout records, through its page table before the pages go back to the cache
+        (rows of tokens [0, num_tokens - 1): the last token never went through the model)."""
+        if req.return_routed_experts or req.return_indexer_topk:
+            experts, topk = self.runner.records.read(req.pages, self.config.page_size, req.num_tokens - 1)
+            req.routed_experts = experts if req.return_routed_experts else None
+            req.indexer_topk = topk if req.return_indexer_topk else None
+
+    def _append_token(self, req: Request, token: int, logprob: float, top: list | None) -> bool:
+        """Append one output token and apply the stop rules; True if that finished the request."""
+        self._record_token(req, token, logprob, top)
+        reason = self._stop_reason(req, token)
+        if reason is None:
+            return False
+        self._read_records(req)
+        self.scheduler.finish(req, reason)
+        if req.detokenizer is not None and not req.detokenizer.stopped:
+            req.output_text += req.detokenizer.flush()
+        return True
+
+    @staticmethod
+    def _record_token(req: Request, token: int, logprob: float, top: list | None) -> None:
+        req.output_ids.append(token)
+        if req.params.logprobs is not None:
+            req.logprobs.append(logprob)
+            req.top_logprobs.append(top)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.params
@@ -466,8 +613,14 @@ class Engine:
                     cached_tokens=req.cached_tokens,
                     cached_tokens_by_tier=dict(req.cache_hits),
                     error=req.error,
+                    error_status=req.error_status,
                     spec_accept_length=req.spec.mean_accept_length if req.spec is not None else None,
                     spec_verify_ct=len(req.spec.accept_lengths) if req.spec is not None else 0,
+                    routed_experts=req.routed_experts,
+                    indexer_topk=req.indexer_topk,
+                    weight_version=req.weight_version,
+                    lora_version=req.lora_version,
+                    lora_checksum=req.lora_checksum,
                 )
             )
         return out
@@ -485,6 +638,11 @@ class Engine:
         }
         if self.spec is not None:
             out.update(self.spec.stats())
+        if self.disagg is not None:
+            out.update(self.disagg.stats())
+        if (enc := self.runner.encoder_cache) is not None:
+            out |= {"vision_tower_runs": enc.tower_runs, "images_encoded": enc.images_encoded}
+            out |= {"encoder_cache_hits": enc.hits, "encoder_cache_tokens": enc.tokens}
         if self.config.enable_prefix_caching:
             out.update({f"prefix_cache_{k}": v for k, v in vars(self.cache.stats).items()})
             out["prefix_cache_pages"] = self.cache.device_pages()
@@ -498,7 +656,10 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Write back what only memory holds (write_back policy) so the disk tier survives a restart."""
+        """Write back what only memory holds (write_back policy) so the disk tier survives a restart; let the
+        disaggregation role's peers know this worker's transfers are over."""
+        if self.disagg is not None:
+            self.disagg.close()
         self.cache.flush()
 
 
@@ -514,4 +675,6 @@ def model_fingerprint(path: Path, config: EngineConfig) -> str:
     h.update(f"{config.dtype}:{config.page_size}".encode())
     if config.kv_cache_dtype != "auto":  # quantized pages are other bytes (auto keeps earlier fingerprints)
         h.update(config.kv_cache_dtype.encode())
+    if config.enable_return_routed_experts or config.enable_return_indexer_topk:  # pages carry record rows too
+        h.update(f"records:{config.enable_return_routed_experts}:{config.enable_return_indexer_topk}".encode())
     return h.hexdigest()[:24]

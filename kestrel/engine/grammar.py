@@ -7,29 +7,42 @@ gives each sequence its own `GrammarMatcher`, and the sampler masks every constr
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
-from xgrammar import structural_tag as st
 
 from kestrel.chat_template import CALL_ARGS, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, tool_call_id
 
-CompiledGrammar = xgr.CompiledGrammar
-GrammarMatcher = xgr.GrammarMatcher
+if TYPE_CHECKING:
+    import xgrammar
+    from xgrammar import CompiledGrammar, GrammarMatcher
 COMPILER_CACHE_BYTES = 256 << 20  # compiled grammars kept for requests that repeat a schema
 # Longest run of whitespace between JSON tokens: unbounded, a weak model can indent forever (kestrel-mini did).
 MAX_WHITESPACE_RUN = 16
 
 
-def tokenizer_info(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> xgr.TokenizerInfo:
+@functools.cache
+def _xgr() -> xgrammar:
+    """xgrammar, imported on first use: importing it (triton, transformers) took ~2.4 s of every server start."""
+    import xgrammar
+
+    return xgrammar
+
+
+def new_matcher(grammar: CompiledGrammar) -> GrammarMatcher:
+    """A fresh matcher of one sequence: it has accepted no token yet."""
+    return _xgr().GrammarMatcher(grammar)
+
+
+def tokenizer_info(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> xgrammar.TokenizerInfo:
     """xgrammar's view of a `tokenizers.Tokenizer`, sized to the model's logits: ids the tokenizer lacks (padded
     embedding rows) are never allowed, and tokenizer ids the model cannot emit are dropped."""
     from transformers import PreTrainedTokenizerFast  # a dependency of xgrammar; only its vocabulary is read
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+    return _xgr().TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
 
 
 class GrammarBackend:
@@ -37,7 +50,7 @@ class GrammarBackend:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, cache_limit_bytes=COMPILER_CACHE_BYTES)
+        self.compiler = _xgr().GrammarCompiler(self.info, cache_limit_bytes=COMPILER_CACHE_BYTES)
 
     def compile(self, kind: str, schema: dict[str, Any] | None = None, strict: bool = True) -> CompiledGrammar:
         """`json_object`: any JSON object; `json_schema`: JSON matching `schema`. Raises ValueError if the schema
@@ -57,6 +70,7 @@ class GrammarBackend:
         """A Kimi K2 tool-call section (`kestrel.server.tool_calls`) and nothing else: one or more calls (exactly
         one unless `parallel`) to the given tools, each with arguments matching its `parameters` schema. The
         section markers are single tokens of the tokenizer, so the grammar takes them only as those tokens."""
+        st = _xgr().structural_tag
         calls = [
             st.SequenceFormat(
                 elements=[
@@ -99,6 +113,7 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | No
     if not rows:
         return
     # The bitmask spans the model's vocabulary (`tokenizer_info`), which is the logits' width.
+    xgr = _xgr()
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
     for j, i in enumerate(rows):
         matchers[i].fill_next_token_bitmask(bitmask, j)

@@ -8,12 +8,16 @@ import torch
 
 from kestrel.cache.kv_pool import KVStorage, make_kv_storage
 from kestrel.cache.pool_io import PoolIO
+from kestrel.cache.records import RolloutRecords
 from kestrel.cache.state_pool import StateStorage
 from kestrel.engine.compiled_decode import CompiledDecode
+from kestrel.engine.encoder_cache import EncoderCache
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.lora import LoRAManager
+from kestrel.models.vision.preprocess import ProcessedImage
 
 
 class PagedCacheView:
@@ -83,9 +87,8 @@ class PagedCacheView:
 
     def store_state(self, layer, conv_state, recurrent_state) -> None:
         conv, recurrent = self.states.conv[layer], self.states.recurrent[layer]
-        conv_state = conv_state if conv_state.dtype == conv.dtype else conv_state.to(conv.dtype)
-        conv.index_copy_(0, self.store_slots, conv_state)
-        recurrent.index_copy_(0, self.store_slots, recurrent_state.float())
+        conv.index_copy_(0, self.store_slots, cast(conv_state, conv.dtype))
+        recurrent.index_copy_(0, self.store_slots, fp32(recurrent_state))
 
     def store_state_snapshots(self, layer, seqs, indices, conv_states, recurrent_states) -> None:
         slots = [self.snapshot_slots[seq][index] for seq, index in zip(seqs, indices)]
@@ -190,6 +193,19 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.replay_verify = False
         self.lora: LoRAManager | None = None  # set by the engine when it serves adapters
+        self.encoder_cache: EncoderCache | None = None  # set by the engine for a model with a vision tower
+        # Rollout capture: every forward writes its tokens' routed experts / DSA top-k beside their KV slots.
+        self.records: RolloutRecords | None = None
+
+    def enable_records(self, experts: bool, index_topk: bool) -> RolloutRecords:
+        """Record what every computed token was routed to (before `pool_io`: the cache tiers carry the records)."""
+        self.records = RolloutRecords(self.model.cfg, self.kv_slots, experts, index_topk)
+        return self.records
+
+    @property
+    def kv_slots(self) -> int:
+        """Token slots the page tables address (scratch page included)."""
+        return (self.scratch_page + 1) * self.page_size
 
     def kv_rows_per_page(self, page_size: int) -> int:
         """KV pool rows per page (a decode-context-parallel rank keeps only its share of each page's tokens)."""
@@ -233,10 +249,11 @@ class ModelRunner:
 
     def pool_io(self) -> PoolIO:
         """The prefix cache's access to the pools (a distributed runner replays its state copies on every rank)."""
-        return PoolIO(self.kv, self.states, self.page_size)
+        return PoolIO(self.kv, self.states, self.page_size, self.records)
 
-    def build(self, inputs: StepInputs) -> tuple[ForwardBatch, torch.Tensor]:
-        """Lists → one metadata tensor (copied to the device once) → ForwardBatch with its paged cache view."""
+    def build(self, inputs: StepInputs, decode_rows: int | None = None) -> tuple[ForwardBatch, torch.Tensor]:
+        """Lists → one metadata tensor (copied to the device once) → ForwardBatch with its paged cache view
+        (`decode_rows`: see `ForwardBatch.decode_rows`)."""
         ps, hist, b = self.page_size, inputs.history_lens, len(inputs.history_lens)
         width = -(-max(hist) // ps)
         table = [self.scratch_page] * (b * width)
@@ -251,7 +268,7 @@ class ModelRunner:
             [t, t, t, b * width, b, b, len(rows), b]
         )
         slot_table = (table_t.view(b, width, 1) * ps + self._offsets).view(b, width * ps)
-        batch = ForwardBatch(ids_t, pos_t, inputs.extend_lens, inputs.prefix_lens)
+        batch = ForwardBatch(ids_t, pos_t, inputs.extend_lens, inputs.prefix_lens, decode_rows=decode_rows)
         if any(inputs.snapshots):
             batch.state_snapshots = inputs.snapshots
         slots, first = inputs.state_slots, inputs.state_slots[0]
@@ -272,13 +289,17 @@ class ModelRunner:
         return batch, rows_t
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulePlan, routed: bool = False) -> tuple[StepLogits, ForwardBatch]:
-        routed = routed or any(c.request.routed_experts is not None for c in plan.chunks)
-        capture = bool(self.capture_layers)
-        bucket = self.compiled.bucket_for(plan) if self.compiled is not None and not routed and not capture else 0
+    def execute(self, plan: SchedulePlan) -> tuple[StepLogits, ForwardBatch]:
+        records, capture = self.records, bool(self.capture_layers)
+        images = image_pieces(plan) if self.encoder_cache is not None else []
+        compiled = self.compiled is not None and records is None and not capture and not images
+        bucket = self.compiled.bucket_for(plan) if compiled else 0
         batch, rows, copies = self.prepare(plan, pad_to=bucket)
-        if routed:
-            batch.routed_experts = {}
+        if images:
+            self.splice_images(batch, images)
+        if records is not None:
+            batch.routed_experts = {} if records.experts is not None else None
+            batch.index_topk = {} if records.index_topk is not None else None
         if capture:
             batch.capture_layers, batch.captured = self.capture_layers, {}
             if self.replay_verify and any(c.verify for c in plan.chunks):
@@ -289,11 +310,42 @@ class ModelRunner:
         hidden = self.compiled(batch) if bucket else self.model(batch)
         for src, dst in copies:
             self.states.copy(src, dst)
-        if batch.routed_experts:
-            _record_routed_experts(plan, batch, rows)
+        if records is not None:
+            records.write(batch.cache.write_slots, batch.routed_experts, batch.index_topk)
         sample = self.model.logits(hidden[rows])
         prompt = {i: self.model.logits(hidden[batch.seq_slice(i)]) for i in prompt_logit_chunks(plan)}
         return StepLogits(sample, prompt), batch
+
+    def splice_images(self, batch: ForwardBatch, pieces: list[ImagePiece]) -> None:
+        """Point the batch's placeholder rows at their images' features (from the encoder cache)."""
+        features = self.encoder_cache.features([p.image for p in pieces])
+        rows = [p.row + j for p in pieces for j in range(p.count)]
+        batch.mm_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        batch.mm_embeds = torch.cat([features[p.image.content_hash][p.first : p.first + p.count] for p in pieces])
+
+
+@dataclass
+class ImagePiece:
+    """Placeholders [first, first + count) of `image` sit at flat rows [row, row + count) of the step."""
+
+    row: int
+    image: ProcessedImage
+    first: int
+    count: int
+
+
+def image_pieces(plan: SchedulePlan) -> list[ImagePiece]:
+    """The parts of image placeholder runs each chunk of the plan computes (a chunk may cut a run anywhere)."""
+    pieces, base = [], 0
+    for c in plan.chunks:
+        req = c.request
+        lo, hi = c.start, min(c.start + c.num_tokens, len(req.prompt_ids))
+        for offset, image in zip(req.image_offsets, req.images):
+            a, b = max(lo, offset), min(hi, offset + image.num_tokens)
+            if a < b:
+                pieces.append(ImagePiece(base + a - c.start, image, a - offset, b - a))
+        base += c.num_tokens
+    return pieces
 
 
 def prompt_logit_chunks(plan: SchedulePlan) -> list[int]:
@@ -303,18 +355,3 @@ def prompt_logit_chunks(plan: SchedulePlan) -> list[int]:
         for i, c in enumerate(plan.chunks)
         if c.request.params.prompt_logprobs is not None and c.start < len(c.request.prompt_ids)
     ]
-
-
-def _record_routed_experts(plan: SchedulePlan, batch: ForwardBatch, sample_rows: torch.Tensor) -> None:
-    """Append, per token sampled this step, the experts every MoE layer chose for the row that sampled it.
-
-    That row's input is the token before the sampled one, so a request's entry k holds the routing computed
-    when the token at position len(prompt) - 1 + k was the input (the convention routing replay needs).
-    """
-    sampling = [c.request for c in plan.chunks if c.samples]
-    if not any(req.routed_experts is not None for req in sampling):
-        return
-    per_layer = {layer: ids[sample_rows].tolist() for layer, ids in sorted(batch.routed_experts.items())}
-    for j, req in enumerate(sampling):
-        if req.routed_experts is not None:
-            req.routed_experts.append({layer: ids[j] for layer, ids in per_layer.items()})

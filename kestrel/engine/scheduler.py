@@ -169,6 +169,23 @@ class Scheduler:
         index = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(index, req)
 
+    def retract_all(self) -> list[Request]:
+        """Every request that computed anything goes back to the queue with nothing computed, pages and slots freed
+        and no prefix committed (a weight sync is about to make that KV stale); queue order stays by arrival.
+
+        Returns them (running ones and preempted ones holding outputs); the engine forgets their outputs."""
+        hit = sorted(self.running + [r for r in self.waiting if r.output_ids], key=lambda r: r.arrival)
+        for req in self.running:
+            self._release(req)
+            req.status = RequestStatus.WAITING
+        fresh = [r for r in self.waiting if not r.output_ids]
+        self.running = []
+        self.waiting = collections.deque(sorted(hit + fresh, key=lambda r: r.arrival))
+        for req in hit:
+            req.computed_len = req.cached_tokens = 0
+            req.cache_hits = {}
+        return hit
+
     def _reserve(self, req: Request, total_tokens: int) -> bool:
         extra = self.pages.pages_for(total_tokens) - len(req.pages)
         if extra <= 0:
@@ -286,6 +303,38 @@ class Scheduler:
                 plan.fresh_slots.append(req.slot)
             plan.chunks.append(ScheduledChunk(req, req.computed_len, n))
             budget -= n
+
+    # -- requests whose prompt another worker computes (prefill/decode disaggregation) -------------------
+    def reserve_prompt(self, req: Request) -> bool:
+        """Decode side: pages for the whole prompt and a state slot, the pages of a cached prefix reused (KV only:
+        the KDA states arrive with the request). False, and nothing held, when memory is short."""
+        if self.cache.has_state:
+            req.slot = self.cache.alloc_slot()
+            if req.slot is None:
+                return False
+        ids, prompt_len = req.cache_ids, len(req.prompt_ids)
+        got = self.cache.acquire(ids, self.cache.match(ids, kv_only=True), None, prompt_len, kv_only=True)
+        if got is not None:
+            req.pages, req.cache_node, req.cache_len = got.pages, got.node, got.length
+            if self._reserve(req, prompt_len):
+                return True
+        self._unadmit(req)
+        return False
+
+    def join(self, req: Request) -> None:
+        """Decode side: the prompt's KV and KDA states have arrived; the request decodes from here (its full prompt
+        pages go to the prefix cache, so a later turn receives only its new suffix)."""
+        req.computed_len = len(req.prompt_ids)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        aligned = req.computed_len // self.pages.page_size * self.pages.page_size
+        if aligned > req.cache_len:
+            self._commit(req, aligned)
+
+    def hold(self, req: Request) -> None:
+        """Prefill side: stop scheduling a request whose KV is being sent; it keeps its pages and slot until
+        `finish`."""
+        self.running.remove(req)
 
     def _unadmit(self, req: Request) -> None:
         """Undo a partial admission (prefix lock, pages, slot): the request stays first in the queue."""

@@ -27,9 +27,11 @@ from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.moe import Experts, Router
 from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
 from kestrel.models.loader import build_model, checkpoint_files, load_model
-from kestrel.models.presets import preset_config
+from kestrel.models.presets import preset_config, vision_fields
+from kestrel.models.vision.moonvit import PositionEmbedding
 from kestrel.tokenizer import BYTE_VOCAB_SIZE, byte_level_tokenizer, save_tokenizer
 
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 _KIMI_EXPERT_NAMES = ("w1", "w3", "w2")
 _DS_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -50,6 +52,11 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
         elif isinstance(module, nn.LayerNorm):
             module.weight.fill_(1.0)
             module.bias.zero_()
+        elif isinstance(module, nn.Conv2d):  # the vision tower's patch embedding
+            normal(module.weight)
+            module.bias.zero_()
+        elif isinstance(module, PositionEmbedding):
+            normal(module.weight)
         elif isinstance(module, Experts):
             normal(module.gate_up_proj)
             normal(module.down_proj)
@@ -101,6 +108,8 @@ def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
             out[disk] = tensor.reshape(1, 1, -1, 1)
         else:
             out[disk] = tensor
+    if model.cfg.model_type == "kimi_k25":  # K2.5 nests the DeepSeek-V3 decoder under `language_model.`
+        out = {k if k.startswith(VISION_PREFIXES) else f"language_model.{k}": v for k, v in out.items()}
     return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
 
@@ -226,13 +235,19 @@ def make_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     weight_format: str = "dense",
+    vision: str | None = None,
     **overrides: Any,
 ) -> Path:
     """Random checkpoint of a preset (config overrides allowed) written by Kestrel's own code; `weight_format`
-    "mxfp4" stores the routed experts as MXFP4 blocks and scales."""
+    "mxfp4" stores the routed experts as MXFP4 blocks and scales; `vision` adds a MoonViT tower of that preset
+    size to a kimi_k3 checkpoint."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format: {weight_format!r} is not one of {WEIGHT_FORMATS}")
     config = preset_config(family, size)
+    if vision is not None:
+        if family != "kimi_k3":
+            raise ValueError("vision: only kimi_k3 checkpoints take an optional tower (kimi_k25 always has one)")
+        config |= vision_fields(vision)
     target = config["text_config"] if "text_config" in config else config
     target.update(overrides)
     cfg = model_config_from_dict(config)

@@ -59,6 +59,19 @@ class ModelCache(Protocol):
         (prefix cache, speculative snapshots): conv [S, C, kernel-1], recurrent [S, H, K, V], one write per pool."""
 
 
+class Replay(Protocol):
+    """Recorded routing decisions a forward must reuse (rollout routing replay, `kestrel.train.routing_replay`).
+
+    Each layer asks once per forward; the rows are the batch's tokens in order. None: that layer decides itself.
+    """
+
+    def experts(self, layer: int) -> torch.Tensor | None:
+        """Expert ids [T, top_k] an MoE layer uses instead of its router's choice (weights still from its scores)."""
+
+    def index_topk(self, layer: int) -> torch.Tensor | None:
+        """Positions [T, index_topk] (ascending, -1 padded) a DSA layer attends to instead of its indexer's top-k."""
+
+
 @dataclass
 class PrefillPhase:
     """One padded KDA call: segment [starts[i], starts[i] + lens[i]) of each sequence in `seqs`, all at once
@@ -111,10 +124,12 @@ class ForwardBatch:
     extend_lens: list[int]
     prefix_lens: list[int]
     cache: ModelCache | None = None
-    # Optional per-token routing override (rollout routing replay): layer -> [T, top_k] expert ids.
-    forced_experts: dict[int, torch.Tensor] | None = None
+    # Rollout routing replay: the experts and DSA selections each layer must reuse.
+    replay: Replay | None = None
     # Filled by MoE layers when set to a dict: layer -> [T, top_k] expert ids actually used.
     routed_experts: dict[int, torch.Tensor] | None = None
+    # Filled by DSA layers when set to a dict: layer -> [T, index_topk] positions attended (ascending, -1 padded).
+    index_topk: dict[int, torch.Tensor] | None = None
     # Prefix-cache checkpoints: per sequence, sorted offsets m in [1, extend_len] after whose m-th new token the
     # KDA layers also hand their states to `cache.store_state_snapshots` (None or [] = none).
     state_snapshots: list[list[int]] | None = None
@@ -124,6 +139,12 @@ class ForwardBatch:
     capture_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] | None = None
     kda_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # Images: the embeddings of flat rows `mm_rows` [M] are replaced by `mm_embeds` [M, d] (projected features).
+    mm_rows: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    # At most this many leading one-token sequences are decode rows (None: all of them). A pipeline micro-batch or a
+    # prefill-context rank's share of a prompt may begin with a one-token piece of a prefill, which is no decode row.
+    decode_rows: int | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
     _leading_single: int = field(default=0, repr=False)
     _packed: dict[tuple[int, int], PackedPrefill] = field(default_factory=dict, repr=False)
@@ -137,6 +158,8 @@ class ForwardBatch:
                 leading += 1
             starts.append(total)
             total += n
+        if self.decode_rows is not None:
+            leading = min(leading, self.decode_rows)
         if total != self.input_ids.shape[0]:
             raise ValueError(f"extend_lens sum to {total} but input_ids has {self.input_ids.shape[0]} tokens")
         self._starts, self._leading_single = starts, leading

@@ -7,10 +7,11 @@ never held twice. Name mapping is data (`_RENAMES`); reshaping and fusing live w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class CheckpointError(ValueError):
 
 # (pattern, replacement) applied in order to every checkpoint name.
 _RENAMES: list[tuple[re.Pattern, str]] = [
+    (re.compile(r"^language_model\."), ""),  # multimodal wrappers (K2.5, K3) nest the decoder
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
     (re.compile(r"\.self_attn\.forget_gate\."), ".self_attn."),
 ]
@@ -73,7 +75,7 @@ def fused_names(model: nn.Module) -> dict[str, tuple[str, Any]]:
 @contextlib.contextmanager
 def skip_init() -> Iterator[None]:
     """Build modules without running their random init: every value is about to be overwritten."""
-    classes = (nn.Linear, nn.Embedding, nn.Conv1d, nn.LayerNorm)
+    classes = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.LayerNorm)
     saved = {cls: cls.reset_parameters for cls in classes}
     try:
         for cls in classes:
@@ -110,10 +112,14 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> None:
+def load_weights(
+    model: CausalLM, path: str | Path, progress: bool = True, skip: Callable[[str], bool] | None = None
+) -> None:
     """Stream every tensor of the checkpoint into `model`; raise one error listing all problems.
 
-    A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0).
+    A sharded model (`kestrel.dist`) reads only its parameters' slices; `progress` False hides the bar (ranks > 0);
+    `skip` names (Kestrel's names) the model does not hold: a pipeline stage's other stages' layers.
+    A model on the meta device reads no tensor data: only names and shapes are checked (`check_checkpoint`).
     """
     path = Path(path)
     files = checkpoint_files(path)
@@ -131,9 +137,11 @@ def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> No
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for ckpt_name in f.keys():
-                    if (m := _LAYER.match(ckpt_name)) and int(m.group(1)) >= n_layers:
-                        continue  # e.g. DeepSeek's multi-token-prediction layer: not part of the decoder
                     name, shard = map_checkpoint_name(ckpt_name, fused)
+                    if (m := _LAYER.match(name)) and int(m.group(1)) >= n_layers:
+                        continue  # e.g. DeepSeek's multi-token-prediction layer: not part of the decoder
+                    if skip is not None and skip(name):
+                        continue
                     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                         continue
                     target = params.get(name)
@@ -149,7 +157,10 @@ def load_weights(model: CausalLM, path: str | Path, progress: bool = True) -> No
                     if shard not in shards and shard != FULL:
                         unexpected.append(ckpt_name)
                         continue
-                    tensor = f.get_tensor(ckpt_name) if index is None else f.get_slice(ckpt_name)[index]
+                    if target.device.type == "meta" and index is None:
+                        tensor = torch.empty(f.get_slice(ckpt_name).get_shape(), device="meta")
+                    else:
+                        tensor = f.get_tensor(ckpt_name) if index is None else f.get_slice(ckpt_name)[index]
                     tensor = tensor.to(device=target.device, dtype=target.dtype)
                     try:
                         fn(target, tensor, shard)
@@ -195,6 +206,27 @@ def load_model(
         path,
     )
     return model, cfg
+
+
+def check_checkpoint(cfg: ModelConfig, path: str | Path, dtype: torch.dtype) -> None:
+    """CheckpointError naming every difference between the checkpoint at `path` and a model built from `cfg`:
+    its config.json's architecture fields, then its tensors' names and shapes (read from the headers only, so a
+    reload in place can refuse a mismatched checkpoint before it overwrites a single weight)."""
+    path = Path(path)
+    try:
+        other = load_model_config(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    ours, theirs = dataclasses.asdict(cfg), dataclasses.asdict(other)
+    differ = [f"{k}: {theirs[k]!r}, the running model has {ours[k]!r}" for k in ours if ours[k] != theirs[k]]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} is another architecture: " + "; ".join(differ))
+    try:
+        load_weights(build_model(cfg, dtype, "meta"), path, progress=False)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+        raise CheckpointError(f"checkpoint {path}: unreadable safetensors ({exc})") from None
 
 
 def param_count(model: nn.Module) -> int:

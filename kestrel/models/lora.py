@@ -20,6 +20,7 @@ gate_proj / up_proj / down_proj (names `...mlp.experts.<e>.<proj>`, Kimi's w1 / 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 from torch import nn
 
 from kestrel.models.layers.linear import FusedLinear
@@ -56,6 +57,7 @@ class LoRAAdapter:
     lora_alpha: float
     target_modules: list[str]
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    checksum: str = ""  # sha256 (hex) of the adapter_model.safetensors bytes it was read from
 
     @property
     def scale(self) -> float:
@@ -188,8 +190,9 @@ def load_peft(path: str | Path, name: str | None = None) -> LoRAAdapter:
         r, alpha = int(config["r"]), float(config["lora_alpha"])
     except KeyError as e:
         raise ValueError(f"LoRA adapter at {root}: adapter_config.json lacks {e.args[0]}") from None
+    data = (root / WEIGHTS_FILE).read_bytes()  # read once: the checksum is of exactly the bytes parsed
     try:
-        tensors = load_file(root / WEIGHTS_FILE)
+        tensors = load(data)
     except Exception as exc:  # safetensors' own error type: a truncated or foreign file
         raise ValueError(f"LoRA adapter at {root}: unreadable {WEIGHTS_FILE} ({exc})") from None
     halves: dict[str, dict[str, torch.Tensor]] = {}
@@ -207,7 +210,7 @@ def load_peft(path: str | Path, name: str | None = None) -> LoRAAdapter:
     targets = config.get("target_modules") or sorted({m.rsplit(".", 1)[-1] for m in weights})
     if isinstance(targets, str):
         targets = [targets]
-    return LoRAAdapter(name or root.name, r, alpha, list(targets), weights)
+    return LoRAAdapter(name or root.name, r, alpha, list(targets), weights, hashlib.sha256(data).hexdigest())
 
 
 class _Hook:
@@ -293,6 +296,19 @@ class _ExpertsHook:
             total = d if total is None else total + d
         return total
 
+    def expert_delta(self, expert: int, proj: str, inp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | float:
+        """The LoRA term of one expert's projection on its rows (batch-invariant mode, one expert at a time)."""
+        total: torch.Tensor | float = 0.0
+        for slot, rows in self.manager.segments:
+            entry = self.entries.get(slot, {}).get(proj)
+            if entry is None or entry[0][expert] is None:
+                continue
+            h = F.linear(inp, entry[0][expert])
+            if rows is not None:
+                h = h * rows[tokens]
+            total = total + F.linear(h, entry[1][expert]) * entry[2]
+        return total
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`expert_segments` with the LoRA terms added to each pair's gate, up and down outputs."""
         m = self.module
@@ -355,6 +371,10 @@ class LoRAManager:
                 hook.entries.setdefault(slot, []).append((hook.columns(part), a, b, adapter.scale))
         self.adapters[slot] = adapter
         return slot
+
+    def rename(self, name: str, new_name: str) -> None:
+        """Keep an adapter's slot and weights under another name (an upserted adapter's old version)."""
+        self.adapters[self.slot_of(name)].name = new_name
 
     def remove(self, name: str) -> None:
         slot = self.slot_of(name)

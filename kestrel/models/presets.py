@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("kimi_linear", "deepseek_v32", "kimi_k3", "deepseek_v3", "kimi_k2")
+from kestrel.tokenizer import BYTE_IMAGE_TOKEN_ID
+
+FAMILIES = ("kimi_linear", "deepseek_v32", "kimi_k3", "deepseek_v3", "kimi_k2", "kimi_k25")
 SIZES = ("tiny", "small")
 
 # Per-size dimensions shared by the families. `small` lands near 20M parameters.
@@ -50,6 +52,34 @@ _DIMS: dict[str, dict[str, int]] = {
         topk=128,
     ),
 }
+
+
+# MoonViT towers per size (transformers' `Kimi_K25VisionConfig` names); K2.5 itself: 1152 wide, 27 layers.
+_VISION: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, pos_emb_height=8),
+    "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384),
+}
+
+
+def vision_fields(size: str, image_token_id: int = BYTE_IMAGE_TOKEN_ID) -> dict[str, Any]:
+    """A wrapper config's `vision_config` and top-level projector / token fields for a tower of `size`."""
+    tower = {"pos_emb_height": 16, "pos_emb_width": 16} | _VISION[size]
+    tower["pos_emb_width"] = tower["pos_emb_height"]
+    vision = {
+        "model_type": "kimi_k25_vision",
+        "patch_size": 14,
+        "pos_emb_time": 4,
+        "merge_kernel_size": [2, 2],
+        "hidden_act": "gelu_pytorch_tanh",
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+        **tower,
+    }
+    return {
+        "vision_config": vision,
+        "projection_hidden_size": vision["hidden_size"],
+        "projection_layer_norm_eps": 1e-5,
+        "image_token_id": image_token_id,
+    }
 
 
 def _kda_layout(n_layers: int) -> tuple[list[int], list[int]]:
@@ -114,6 +144,11 @@ def preset_config(family: str, size: str) -> dict[str, Any]:
         }
     if family in ("deepseek_v3", "kimi_k2"):
         return common | _deepseek_v3(family, d)
+    if family == "kimi_k25":  # Kimi K2.5 / K2.6: a DeepSeek-V3 (K2) decoder and a MoonViT tower
+        text = common | _deepseek_v3("kimi_k2", d) | {"model_type": "deepseek_v3"}
+        text.pop("architectures")
+        top = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"]}
+        return top | {"text_config": text, "tie_word_embeddings": False} | vision_fields(size)
     kda_layers, full_layers = _kda_layout(d["layers"])
     kimi = common | {
         "model_type": "kimi_linear",

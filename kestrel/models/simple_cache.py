@@ -6,6 +6,7 @@ import torch
 
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.vision.inputs import encode_images, image_offsets, splice_rows
 
 
 class SimpleCache:
@@ -78,21 +79,33 @@ class SimpleCache:
 
 
 @torch.inference_mode()
-def full_logits(model: CausalLM, input_ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """Logits [T, V] of one whole sequence with no cache: the plainest forward."""
+def full_logits(model: CausalLM, input_ids: list[int] | torch.Tensor, images: list | None = None) -> torch.Tensor:
+    """Logits [T, V] of one whole sequence with no cache: the plainest forward (`images`: the prompt's
+    `ProcessedImage`s, spliced over its placeholder runs)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
-    return model.logits(model(ForwardBatch.single(ids)))
+    return model.logits(model(with_images(model, ForwardBatch.single(ids), images)))
+
+
+def with_images(model: CausalLM, batch: ForwardBatch, images: list | None) -> ForwardBatch:
+    """A one-sequence prefill batch with its images' features spliced over their placeholder runs."""
+    if images:
+        offsets = image_offsets(batch.input_ids.tolist(), images, model.cfg.vision.image_token_id)
+        batch.mm_rows = torch.tensor(splice_rows(offsets, images), dtype=torch.long, device=model.device)
+        batch.mm_embeds = torch.cat(encode_images(model, images))
+    return batch
 
 
 @torch.inference_mode()
-def greedy_generate(model: CausalLM, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Reference greedy decoding: prefill once, then one token at a time through `SimpleCache`.
+def greedy_generate(
+    model: CausalLM, prompt: list[int], max_new_tokens: int, images: list | None = None
+) -> tuple[list[int], torch.Tensor]:
+    """Reference greedy decoding: prefill once (images spliced), then one token at a time through `SimpleCache`.
 
     Returns the new tokens and the logits [max_new_tokens, V] that chose them.
     """
     cache = SimpleCache(model, 1)
     ids = torch.tensor(prompt, dtype=torch.long, device=model.device)
-    hidden = model(cache.bind(ForwardBatch.single(ids)))
+    hidden = model(cache.bind(with_images(model, ForwardBatch.single(ids), images)))
     logits = model.logits(hidden[-1:])
     out, all_logits = [], []
     for step in range(max_new_tokens):

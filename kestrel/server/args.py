@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 REASONING_PARSERS = ("kimi", "none")
 TOOL_CALL_PARSERS = ("kimi_k2", "none")
@@ -27,7 +28,19 @@ class ServerConfig:
     tool_call_parser: str = field(
         default="kimi_k2", metadata={"help": "parse tool calls from the output", "choices": TOOL_CALL_PARSERS}
     )
-    max_request_bytes: int = field(default=4 << 20, metadata={"help": "largest request body accepted (413 above)"})
+    max_request_bytes: int = field(default=32 << 20, metadata={"help": "largest request body accepted (413 above)"})
+    # Image input (models with a vision tower): where images may come from and how large they may be.
+    allowed_local_media_path: str | None = field(
+        default=None, metadata={"help": "folder whose files image_url file:// URLs may read (default: none)"}
+    )
+    max_image_pixels: int = field(
+        default=50_000_000, metadata={"help": "largest image (width x height), checked before decoding"}
+    )
+    max_image_bytes: int = field(
+        default=20 << 20, metadata={"help": "largest encoded image (data URL, file, download)"}
+    )
+    limit_mm_per_prompt: int = field(default=16, metadata={"help": "images per chat request"})
+    media_fetch_timeout: float = field(default=10.0, metadata={"help": "seconds to download an http(s) image"})
     graceful_shutdown_timeout: float = field(
         default=30.0, metadata={"help": "seconds in-flight requests get to finish on SIGINT/SIGTERM"}
     )
@@ -47,6 +60,13 @@ class ServerConfig:
             raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        for name in ("max_image_pixels", "max_image_bytes", "limit_mm_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.media_fetch_timeout > 0:
+            raise ValueError(f"media_fetch_timeout must be > 0, got {self.media_fetch_timeout}")
+        if self.allowed_local_media_path is not None and not Path(self.allowed_local_media_path).is_dir():
+            raise ValueError(f"allowed_local_media_path: {self.allowed_local_media_path} is not a folder")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,12 @@ one-way channels: an inbox (`queue.SimpleQueue`) of add/abort commands that the 
 one `asyncio.Queue` per HTTP request that the thread fills with `loop.call_soon_threadsafe` (once per step for all
 requests together, so a step wakes the loop once). Every delta is computed on the engine thread from the requests'
 growing `output_ids` / `output_text`, so the loop only ever sees immutable snapshots.
+
+Weight syncs (SGLang's pause / update / continue) are commands too, run between steps. While paused, no step runs
+and new requests queue. A weight update never lands under a started request: with generation running it waits for
+the started requests to finish (new ones are held back meanwhile); paused, it first retracts those paused in place.
+A retracted request reruns from its prompt; its stream gets `reset` and starts over (an OpenAI stream, which
+cannot take back text it sent, is aborted instead).
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ from typing import Any
 
 import torch
 
+from kestrel.disagg.role import BootstrapTarget
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.engine.grammar import GrammarBackend
 from kestrel.engine.request import Request
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.models.loader import check_checkpoint
 from kestrel.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -37,8 +45,11 @@ class SeqDelta:
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    routed_experts: list[dict[int, list[int]]] | None = None
     finish_reason: str | None = None
+    reset: bool = False  # the sequence was retracted: forget what earlier events sent, this one starts over
+    weight_version: str | None = None
+    lora_version: str | None = None
+    lora_checksum: str | None = None
 
 
 @dataclass
@@ -72,6 +83,9 @@ class EngineStopped(Exception):
     """The engine thread has stopped; no more requests are accepted."""
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
 @dataclass
 class RequestStream:
     request_id: str
@@ -88,6 +102,10 @@ class _Add:
     routed_experts: bool
     arrival: float
     lora: str | None = None
+    restartable: bool = False  # the consumer takes `reset` deltas (else a retracted stream that sent text aborts)
+    bootstrap: BootstrapTarget | None = None
+    images: list | None = None  # the prompt's ProcessedImages (kestrel.models.vision)
+    indexer_topk: bool = False
 
 
 @dataclass
@@ -100,9 +118,11 @@ class _Track:
     sent_text: list[int]
     last_token_at: list[float]
     finished: list[bool]
+    reset: list[bool]
 
 
 _STOP = object()
+_SYNC_COMMANDS = ("pause", "continue", "update", "version")
 
 
 class AsyncEngine:
@@ -117,15 +137,25 @@ class AsyncEngine:
         self.max_running_requests = engine.config.max_running_requests
         self.engine_config = engine.config
         self.lora_adapters: dict[str, str] = dict(engine.lora_paths)  # loop thread's copy: name -> path
+        self.vision = engine.model_config.vision if engine.supports_images else None
+        self.lora_versions = {name: e.describe() for name, e in engine.adapters.public.items()}  # loop thread's copy
+        self.weight_version = engine.weight_version  # loop thread's copy, updated when a sync completes
+        self.paused: str | None = None  # loop thread's copy of the pause mode
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._live: set[str] = set()  # loop thread only: ids submitted and not yet finished
         self._lock = threading.Lock()
-        self._stats = engine.stats()
+        self._stats = engine.stats() | {"pending_weight_updates": 0}
         self._unadmitted = 0  # submitted, not yet reflected in _stats (under _lock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Engine thread only: the pause mode, weight updates waiting for started requests to finish, and the
+        # submissions held back meanwhile; `_added` sequences reached the engine this round.
+        self._paused: str | None = None
+        self._pending: list[tuple[str, str | None, asyncio.Future]] = []
+        self._held: list[_Add] = []
+        self._added = 0
         metrics.set_engine_stats(self._stats)
 
     # -- lifecycle (loop thread) ---------------------------------------------------------------------------
@@ -152,7 +182,10 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        if self._engine.disagg is not None:  # rooms change on the bootstrap server's threads too, engine idle or not
+            stats |= self._engine.disagg.stats()
+        return stats
 
     def num_queued(self) -> int:
         """Sequences waiting for admission, counting submissions the engine has not seen yet."""
@@ -196,6 +229,10 @@ class AsyncEngine:
         routed_experts: bool = False,
         events: asyncio.Queue | None = None,
         lora: str | None = None,
+        restartable: bool = False,
+        bootstrap: BootstrapTarget | None = None,
+        images: list | None = None,
+        indexer_topk: bool = False,
     ) -> RequestStream:
         """Queue a request (after `admit` let its whole HTTP request in); its events arrive on `events` (a fresh
         queue unless one is shared)."""
@@ -207,7 +244,11 @@ class AsyncEngine:
         with self._lock:
             self._unadmitted += params.n
         self._live.add(request_id)
-        self._inbox.put(_Add(stream, prompt_ids, params, deltas, routed_experts, time.monotonic(), lora))
+        now = time.monotonic()
+        add = _Add(
+            stream, prompt_ids, params, deltas, routed_experts, now, lora, restartable, bootstrap, images, indexer_topk
+        )
+        self._inbox.put(add)
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -233,14 +274,50 @@ class AsyncEngine:
         self._inbox.put(("flush_cache", done))
         return await done
 
-    async def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load an adapter between two engine steps (ValueError naming the problem)."""
-        await self._call(lambda engine: engine.load_lora_adapter(name, path))
+    async def load_lora_adapter(
+        self, name: str, path: str, replace: bool = False, version: str | None = None, checksum: str | None = None
+    ) -> dict[str, str | None]:
+        """Load (or, `replace`, upsert) an adapter between two engine steps (ValueError naming the problem)."""
+        entry = await self._call(lambda engine: engine.load_lora_adapter(name, path, replace, version, checksum))
         self.lora_adapters[name] = path
+        self.lora_versions[name] = entry.describe()
+        return self.lora_versions[name]
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._call(lambda engine: engine.unload_lora_adapter(name))
         self.lora_adapters.pop(name, None)
+        self.lora_versions.pop(name, None)
+
+    # -- weight sync (loop thread) -------------------------------------------------------------------------
+    async def pause(self, mode: str) -> dict[str, int]:
+        """Stop stepping: `abort` ends every request, `retract` sends the started ones back to rerun from their
+        prompt, `in_place` leaves them as they are. New requests queue until `resume`. Returns the counts."""
+        counts = await self._command("pause", mode)
+        self.paused = mode
+        return counts
+
+    async def resume(self) -> None:
+        await self._command("continue")
+        self.paused = None
+
+    async def update_weights(self, path: str, version: str | None, abort_all: bool) -> int:
+        """Reload the weights from `path` once no started request remains (see the module docstring); returns the
+        number of requests paused meanwhile. ValueError naming the problem, weights untouched, for a bad path."""
+        paused = await self._command("update", path, version, abort_all)
+        if version is not None:
+            self.weight_version = version
+        return paused
+
+    async def set_weight_version(self, version: str, abort_all: bool) -> None:
+        await self._command("version", version, abort_all)
+        self.weight_version = version
+
+    async def _command(self, name: str, *args):
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put((name, done, *args))
+        return await done
 
     async def _call(self, fn):
         """Run fn(engine) on the engine thread between steps; its result or exception comes back here."""
@@ -263,35 +340,43 @@ class AsyncEngine:
             torch.set_flush_denormal(True)  # per thread, like the Engine's own setting (see Engine.__init__)
         while True:
             out: list[tuple[asyncio.Queue, StreamEvent]] = []
-            added = 0
             try:
-                for cmd in self._drain(block=not engine.has_unfinished):
+                idle = not engine.has_unfinished or self._paused is not None
+                for cmd in self._drain(block=idle and not self._pending):
                     if cmd is _STOP:
                         self._abort_all(out, "the server is shutting down", status=503)
+                        for *_, done in self._pending:
+                            self._settle(done, error=EngineStopped("the server is shutting down"))
                         self._post(out)
                         return
                     if isinstance(cmd, _Add):
-                        added += cmd.params.n
-                        self._add(cmd, out)
+                        self._held.append(cmd) if self._pending else self._add(cmd, out)
                     elif cmd[0] == "abort_all":
                         self._abort_all(out, cmd[1], status=cmd[2])
                     elif cmd[0] == "flush_cache":
                         self._flush_cache(cmd[1])
                     elif cmd[0] == "call":
                         self._run_call(cmd[1], cmd[2])
+                    elif cmd[0] in _SYNC_COMMANDS:
+                        getattr(self, f"_{cmd[0]}")(out, *cmd[1:])
                     else:
                         self._abort(cmd[1], out)
-                if engine.has_unfinished:
+                if self._pending and not engine.started_requests():
+                    self._apply_updates(out)
+                if engine.has_unfinished and self._paused is None:
                     result = engine.step()
                     self._collect(result.advanced, result.finished, out)
+                    for record in result.transfers:
+                        self.metrics.observe_transfer(record)
             except Exception:  # a bug in a step must not hang every client: fail them, keep serving
                 log.exception("engine step failed; aborting all requests")
                 self._abort_all(out, "internal engine error", status=500)
             self._post(out)
-            stats = engine.stats()
+            stats = self._engine_stats()
             with self._lock:
                 self._stats = stats
-                self._unadmitted -= added
+                self._unadmitted -= self._added
+            self._added = 0
             self.metrics.set_engine_stats(stats)
 
     def _drain(self, block: bool) -> list[Any]:
@@ -311,23 +396,33 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add, out: list) -> None:
         rid = cmd.stream.request_id
+        self._added += cmd.params.n
         try:
             self._engine.add_request(
-                cmd.prompt_ids, cmd.params, rid, return_routed_experts=cmd.routed_experts, lora_name=cmd.lora
+                cmd.prompt_ids,
+                cmd.params,
+                rid,
+                return_routed_experts=cmd.routed_experts,
+                lora_name=cmd.lora,
+                bootstrap=cmd.bootstrap,
+                images=cmd.images,
+                return_indexer_topk=cmd.indexer_topk,
             )
         except ValueError as exc:
             out.append((cmd.stream.queue, StreamEvent(rid, error=str(exc))))
             return
         reqs = self._engine.requests(rid)
         n = len(reqs)
-        self._tracks[rid] = _Track(cmd, reqs, [0] * n, [0] * n, [cmd.arrival] * n, [False] * n)
+        self._tracks[rid] = _Track(cmd, reqs, [0] * n, [0] * n, [cmd.arrival] * n, [False] * n, [False] * n)
 
     def _run_call(self, fn, done: asyncio.Future) -> None:
         try:
             result, error = fn(self._engine), None
         except Exception as exc:  # handed back to the caller; the engine keeps serving
             result, error = None, exc
+        self._settle(done, result, error)
 
+    def _settle(self, done: asyncio.Future, result: Any = None, error: Exception | None = None) -> None:
         def settle() -> None:
             if not done.done():
                 done.set_exception(error) if error is not None else done.set_result(result)
@@ -335,17 +430,117 @@ class AsyncEngine:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(settle)
 
+    # -- weight sync (engine thread) -----------------------------------------------------------------------
+    def _pause(self, out: list, done: asyncio.Future, mode: str) -> None:
+        counts = {"num_aborted_requests": 0, "num_retracted_requests": 0}
+        if mode == "abort":
+            counts["num_aborted_requests"] = self._abort_tracked(out)
+        elif mode == "retract":
+            counts["num_retracted_requests"] = self._retract(out)
+        self._paused = mode
+        if self._pending:  # updates waiting for started requests: paused, those can no longer finish first
+            if mode == "in_place":
+                counts["num_retracted_requests"] = self._retract(out)
+            self._apply_updates(out)
+        self._refresh_stats()
+        self._settle(done, counts)
+
+    def _continue(self, out: list, done: asyncio.Future) -> None:
+        self._paused = None
+        self._settle(done)
+
+    def _update(self, out: list, done: asyncio.Future, path: str, version: str | None, abort_all: bool) -> None:
+        # Headers only, and on this thread (building the meta-device model sets torch's global default dtype):
+        # a bad checkpoint is refused before any request is aborted, retracted or waited for.
+        try:
+            check_checkpoint(self._engine.model_config, path, getattr(torch, self.engine_config.dtype))
+        except ValueError as exc:
+            self._settle(done, error=exc)
+            return
+        if abort_all:
+            self._abort_tracked(out)
+        if self._paused == "in_place":
+            self._retract(out)  # their KV is the old weights': they rerun on the new ones
+        self._pending.append((path, version, done))
+        started = len(self._engine.started_requests())
+        if self._paused is not None or not started:
+            self._apply_updates(out)
+        else:
+            log.info("weight update from %s waits for %d started request(s) to finish", path, started)
+
+    def _apply_updates(self, out: list) -> None:
+        """Run the waiting weight updates (no request is started), then let the held-back submissions in."""
+        paused = len(self._engine.scheduler.waiting) if self._paused is not None else 0
+        for path, version, done in self._pending:
+            try:
+                self._engine.update_weights_from_disk(path, version)
+            except Exception as exc:  # a checkpoint that changed since it was checked: the caller gets the error
+                log.exception("weight update from %s failed", path)
+                self._settle(done, error=exc)
+            else:
+                log.info("weights reloaded from %s (version %s)", path, self._engine.weight_version)
+                self._refresh_stats()
+                self._settle(done, paused)
+        self._pending = []
+        held, self._held = self._held, []
+        for cmd in held:
+            self._add(cmd, out)
+
+    def _version(self, out: list, done: asyncio.Future, version: str, abort_all: bool) -> None:
+        if abort_all:
+            self._abort_tracked(out)
+        self._engine.weight_version = version  # requests already scheduled keep the name they were stamped with
+        self._settle(done)
+
+    def _retract(self, out: list) -> int:
+        """Started requests back to the queue, to rerun from their prompts; their streams are reset (or, for a
+        stream that already sent text it cannot take back, aborted)."""
+        retracted = self._engine.retract_all()
+        for rid in dict.fromkeys(r.request_id for r in retracted):
+            track = self._tracks.get(rid)
+            if track is None:
+                continue
+            if track.add.deltas and not track.add.restartable and (any(track.sent_tokens) or any(track.sent_text)):
+                self._abort(rid, out)
+                continue
+            for i, req in enumerate(track.requests):
+                if req in retracted:
+                    track.sent_tokens[i] = track.sent_text[i] = 0
+                    track.finished[i], track.reset[i] = False, True
+        return len(retracted)
+
+    def _abort_tracked(self, out: list) -> int:
+        """End every request, held back or in the engine, with finish_reason "abort"."""
+        held, self._held = self._held, []
+        for cmd in held:
+            self._add(cmd, out)
+        rids = list(self._tracks)
+        for rid in rids:
+            self._abort(rid, out)
+        return len(rids)
+
     def _flush_cache(self, done: asyncio.Future) -> None:
-        idle = not self._engine.has_unfinished and not self._tracks
+        idle = not self._engine.started_requests()  # queued requests hold no tree locks
         if idle:
             self._engine.cache.clear()
-            stats = self._engine.stats()  # before answering: a /get_server_info right after must see the flush
-            with self._lock:
-                self._stats = stats
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(idle))
+            self._refresh_stats()
+        self._settle(done, idle)
+
+    def _refresh_stats(self) -> None:
+        """Before answering a command: a /get_server_info right after it must see what it changed."""
+        stats = self._engine_stats()
+        with self._lock:
+            self._stats = stats
+
+    def _engine_stats(self) -> dict[str, int]:
+        """The engine's counters, plus the weight updates waiting for started requests to finish."""
+        return self._engine.stats() | {"pending_weight_updates": len(self._pending)}
 
     def _abort(self, rid: str, out: list) -> None:
+        held = next((cmd for cmd in self._held if cmd.stream.request_id == rid), None)
+        if held is not None:  # into the engine and out again: its stream ends like any aborted request's
+            self._held.remove(held)
+            self._add(held, out)
         track = self._tracks.get(rid)
         if track is None:
             return
@@ -353,6 +548,9 @@ class AsyncEngine:
         self._collect(track.requests, [self._engine.make_output(track.requests)], out)
 
     def _abort_all(self, out: list, message: str, status: int) -> None:
+        for cmd in self._held:
+            out.append((cmd.stream.queue, StreamEvent(cmd.stream.request_id, error=message, status=status)))
+        self._held = []
         for rid, track in list(self._tracks.items()):
             try:
                 self._engine.abort(rid)
@@ -393,10 +591,14 @@ class AsyncEngine:
                     text=req.output_text[c0:],
                     logprobs=req.logprobs[t0:] if with_lp else None,
                     top_logprobs=req.top_logprobs[t0:] if with_lp else None,
-                    routed_experts=req.routed_experts[t0:] if req.routed_experts is not None else None,
                     finish_reason=req.finish_reason if req.is_finished else None,
+                    reset=track.reset[i],
+                    weight_version=req.weight_version,
+                    lora_version=req.lora_version,
+                    lora_checksum=req.lora_checksum,
                 )
             )
+            track.reset[i] = False
             if n_tok > t0:
                 self.metrics.generation_tokens.inc(n_tok - t0)
                 (self.metrics.ttft if t0 == 0 else self.metrics.itl).observe(now - track.last_token_at[i])

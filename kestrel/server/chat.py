@@ -25,9 +25,10 @@ from kestrel.chat_template import (
     render_chat,
 )
 from kestrel.engine.engine import RequestOutput
+from kestrel.models.vision.inputs import expand_placeholders
 from kestrel.server.async_engine import SeqDelta
 from kestrel.server.errors import APIError, error_body
-from kestrel.server.protocol import ChatCompletionRequest, MediaPart
+from kestrel.server.protocol import ChatCompletionRequest, ImagePart, MediaPart
 from kestrel.server.reasoning import ReasoningParser
 from kestrel.server.serving import (
     SSE_DONE,
@@ -43,7 +44,7 @@ from kestrel.server.serving import (
 from kestrel.server.tool_calls import ToolCallDelta, ToolCallParser, merge_tool_calls
 
 DEFAULT_REASONING_EFFORT = "max"
-MEDIA_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file"}  # the model reads text only
+MEDIA_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file"}
 # The template's only variable a client may set; the Kimi format has no on/off switch for thinking.
 TEMPLATE_KWARGS = ("reasoning_effort",)
 TOOL_MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_ARGS, CALL_END)
@@ -129,6 +130,8 @@ class ChatPlan:
     tools_allowed: bool = True
     # tool_choice "required" or a named function: the output is constrained to calls to these tools.
     forced_tools: list[dict[str, Any]] | None = None
+    # (param, url) of every image part, in prompt order.
+    images: list[tuple[str, str]] = field(default_factory=list)
 
 
 def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
@@ -147,12 +150,18 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         raise APIError(
             400, f"tool_choice: no tool named {choice.function.name!r} in `tools`", param="tool_choice.function.name"
         )
+    images = []
     for i, message in enumerate(req.messages):
         for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-            if isinstance(part, MediaPart):
+            param = f"messages[{i}].content[{j}]"
+            if isinstance(part, MediaPart) or (isinstance(part, ImagePart) and ctx.media is None):
                 kind = MEDIA_KINDS[part.type]
-                param = f"messages[{i}].content[{j}]"
                 raise APIError(400, f"{param}: {kind} input is not supported by this model", param=param)
+            if isinstance(part, ImagePart):
+                images.append((param, part.image_url.url))
+    if len(images) > ctx.max_images:
+        msg = f"messages: {len(images)} images, at most {ctx.max_images} per request (--limit-mm-per-prompt)"
+        raise APIError(400, msg, param="messages")
     use_tools = bool(tools) and choice != "none"
     forced = None
     if use_tools and choice == "required":
@@ -178,6 +187,7 @@ def plan_chat(req: ChatCompletionRequest, ctx: ServingContext) -> ChatPlan:
         think_open=prompt.endswith(THINK_BEGIN),
         tools_allowed=use_tools,
         forced_tools=forced,
+        images=images,
     )
 
 
@@ -213,6 +223,9 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
     lora = ctx.check_model(req.model)
     plan = plan_chat(req, ctx)
     ids = await ctx.encode(plan.prompt, "messages")
+    images = await ctx.load_images(plan.images, ids) if plan.images else None
+    if images:
+        ids = expand_placeholders(ids, images, ctx.media.vision.image_token_id)
     ctx.check_prompt_len(len(ids), "messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
@@ -237,7 +250,16 @@ async def create_chat_completion(req: ChatCompletionRequest, client: HTTPRequest
     else:
         params.grammar = await ctx.compile_grammar(req.response_format)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(ctx, [rid], [ids], params, deltas=req.stream, loras=[lora])
+    gen = Generation(
+        ctx,
+        [rid],
+        [ids],
+        params,
+        deltas=req.stream,
+        loras=[lora],
+        bootstraps=ctx.bootstrap_targets(req, 1),
+        images=[images],
+    )
     try:
         if not req.stream:
             (output,) = await gen.outputs(client)

@@ -70,7 +70,8 @@ async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: Se
     params.grammar = await ctx.compile_grammar(req.response_format)
     base = f"cmpl-{uuid.uuid4().hex}"
     rids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-    gen = Generation(ctx, rids, prompts, params, deltas=req.stream, loras=[lora] * len(prompts))
+    boots = ctx.bootstrap_targets(req, len(prompts))
+    gen = Generation(ctx, rids, prompts, params, deltas=req.stream, loras=[lora] * len(prompts), bootstraps=boots)
     try:
         if not req.stream:
             outputs = await gen.outputs(client)

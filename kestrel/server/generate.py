@@ -1,13 +1,18 @@
 """`POST /generate` (SGLang's token-level API, for RL rollouts) and `POST /abort_request`.
 
-Per generated token the response can carry its logprob and the experts every MoE layer routed to. Routed
-experts follow the replay convention: entry k is what each MoE layer chose when the token at position
-`prompt_tokens - 1 + k` was the input — the forward row whose logits sampled output token k. A trainer replays
-them for the rows that score the completion (`routed_experts_start_position` says where they start).
+Per generated token the response can carry its logprob; the final result can carry, as SGLang encodes them (base64
+of int32 bytes), what every token that went through the model was routed to: `meta_info.routed_experts` is
+[prompt + completion - 1, MoE layers, top_k] expert ids and `meta_info.indexer_topk` [same rows, DSA layers,
+index_topk] attended positions (ascending, -1 padded). Row i belongs to the forward row whose input was token i,
+prompt rows included (cached prefix tokens report their first computation), so a trainer can replay the sequence.
+`meta_info.weight_version` (and `lora_version` / `lora_checksum` with an adapter) name what every token of the
+result came from; a sequence retracted by a weight sync starts over, and its next stream chunk says so by
+being the whole new result (chunks are cumulative).
 """
 
 from __future__ import annotations
 
+import base64
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +86,15 @@ def _check_logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int 
     return req.top_logprobs_num
 
 
+def _check_capture(req: GenerateRequest, ctx: ServingContext) -> None:
+    """Capture is recorded for every token only when the server was started for it (SGLang's two-level opt-in)."""
+    config = ctx.engine.engine_config
+    for name in ("routed_experts", "indexer_topk"):
+        if getattr(req, f"return_{name}") and not getattr(config, f"enable_return_{name}"):
+            flag = f"--enable-return-{name.replace('_', '-')}"
+            raise APIError(400, f"return_{name}: start the server with {flag}", param=f"return_{name}")
+
+
 def _finish(reason: str | None, num_tokens: int) -> dict[str, Any] | None:
     if reason is None:
         return None
@@ -99,21 +113,22 @@ class _Seq:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
-    routed: list[dict[int, list[int]]] = field(default_factory=list)
     finish_reason: str | None = None
     final: CompletionOutput | None = None
     prompt_logprobs: list | None = None
+    versions: tuple[str | None, str | None, str | None] = (None, None, None)  # weights, adapter, its checksum
 
     def add(self, d: SeqDelta) -> None:
+        self.versions = (d.weight_version, d.lora_version, d.lora_checksum)
         self.text += d.text
         self.output_ids += d.token_ids
         self.logprobs += d.logprobs or []
         self.top_logprobs += d.top_logprobs or []
-        self.routed += d.routed_experts or []
         self.finish_reason = d.finish_reason or self.finish_reason
 
     def finish(self, comp: CompletionOutput, prompt_logprobs: list | None) -> None:
         self.final, self.prompt_logprobs = comp, prompt_logprobs
+        self.versions = (comp.weight_version, comp.lora_version, comp.lora_checksum)
         self.text, self.output_ids, self.finish_reason = comp.text, comp.token_ids, comp.finish_reason
         self.logprobs, self.top_logprobs = comp.logprobs or [], comp.top_logprobs or []
 
@@ -123,7 +138,10 @@ class _Seq:
             "finish_reason": _finish(self.finish_reason, len(self.output_ids)),
             "prompt_tokens": len(self.prompt),
             "completion_tokens": len(self.output_ids),
+            "weight_version": self.versions[0],
         }
+        if self.versions[2] is not None:
+            meta["lora_version"], meta["lora_checksum"] = self.versions[1], self.versions[2]
         if self.final is not None:
             meta["cached_tokens"] = self.final.cached_tokens
             meta["cached_tokens_by_tier"] = self.final.cached_tokens_by_tier
@@ -141,17 +159,22 @@ class _Seq:
                 [None if e is None else e.logprob, self.prompt[first + i], None] for i, e in enumerate(entries)
             ]
             meta["input_top_logprobs"] = [None if e is None else [[v, t, None] for t, v in e.top] for e in entries]
-        if req.return_routed_experts:
-            layers = sorted(self.routed[0]) if self.routed else []
-            meta["routed_experts_layers"] = layers
-            meta["routed_experts_start_position"] = len(self.prompt) - 1
-            meta["routed_experts"] = [[e[layer] for layer in layers] for e in self.routed]
+        if self.final is not None and req.return_routed_experts and self.final.routed_experts is not None:
+            meta["routed_experts"] = _b64(self.final.routed_experts[req.routed_experts_start_len :])
+        if self.final is not None and req.return_indexer_topk and self.final.indexer_topk is not None:
+            meta["indexer_topk"] = _b64(self.final.indexer_topk)
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
+
+
+def _b64(rows) -> str:
+    """SGLang's wire format of capture tables: base64 of the int32 array's bytes (C order)."""
+    return base64.b64encode(rows.contiguous().numpy().tobytes()).decode("ascii")
 
 
 async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContext):
     prompts, batch = await _prompts(req, ctx)
     prompt_logprobs = _check_logprob_start(req, prompts)
+    _check_capture(req, ctx)
     logprobs = req.top_logprobs_num if req.return_logprob else None
     longest = max(len(p) for p in prompts)
     params = make_params(
@@ -161,10 +184,20 @@ async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContex
     rids = _request_ids(req, len(prompts), batch)
     n = params.n
     seqs = {(p, i): _Seq(rid, ids) for p, (rid, ids) in enumerate(zip(rids, prompts)) for i in range(n)}
-    # Deltas carry the routed experts (the final output does not), so collect them as they come.
-    want = req.return_routed_experts
     loras = _loras(req, ctx, len(prompts), batch)
-    gen = Generation(ctx, rids, prompts, params, deltas=req.stream or want, routed_experts=want, loras=loras)
+    boots = ctx.bootstrap_targets(req, len(prompts))
+    gen = Generation(
+        ctx,
+        rids,
+        prompts,
+        params,
+        req.stream,
+        routed_experts=req.return_routed_experts,
+        loras=loras,
+        restartable=True,
+        bootstraps=boots,
+        indexer_topk=req.return_indexer_topk,
+    )
     if req.stream:
         return SSEResponse(_stream(req, gen, seqs, n, many=len(seqs) > 1), gen)
     try:
@@ -185,6 +218,9 @@ def _apply(event: StreamEvent, gen: Generation, seqs: dict[tuple[int, int], _Seq
     p = gen.index[event.request_id]
     changed = []
     for d in event.deltas:
+        if d.reset:  # retracted and rerun: what came before was from another run (another version)
+            old = seqs[p, d.index]
+            seqs[p, d.index] = _Seq(old.rid, old.prompt)
         seqs[p, d.index].add(d)
         changed.append((p, d.index))
     if event.output is not None:

@@ -58,6 +58,13 @@ def check_address(host: str, port: int) -> None:
 def make_server(engine_config: EngineConfig, config: ServerConfig) -> uvicorn.Server:
     """The uvicorn server for this configuration (loads the model; the engine thread starts with the app)."""
     check_address(config.host, config.port)
+    if engine_config.disaggregation_mode != "null" and engine_config.disaggregation_bootstrap_host is None:
+        engine_config = dataclasses.replace(engine_config, disaggregation_bootstrap_host=config.host)
+    if engine_config.disaggregation_mode == "prefill" and engine_config.disaggregation_bootstrap_port:
+        try:
+            check_address(engine_config.disaggregation_bootstrap_host, engine_config.disaggregation_bootstrap_port)
+        except ValueError as exc:
+            raise ValueError(f"disaggregation_bootstrap_port: {str(exc).partition(': ')[2]}") from None
     if engine_config.num_threads == 0 and engine_config.device in ("auto", "cpu") and not torch.cuda.is_available():
         engine_config = dataclasses.replace(engine_config, num_threads=server_threads())
     engine = Engine(engine_config)

@@ -61,6 +61,20 @@ class ServerMetrics:
         self.finished = Counter(
             "kestrel_requests_finished", "Finished sequences by reason", ["finish_reason"], registry=r
         )
+        # Prefill/decode disaggregation: what this worker sent (prefill) or received (decode).
+        self.transfer_bytes = Counter(
+            "kestrel_disagg_transfer_bytes", "KV + state bytes moved by transfers", registry=r
+        )
+        self.transfer_latency = Histogram(
+            "kestrel_disagg_transfer_latency_seconds",
+            "Prefill: time to write a request's KV; decode: from registering the room to the KV's arrival",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.transfers_failed = Counter("kestrel_disagg_failed_transfers", "Transfers that failed", registry=r)
+        self.transfers_in_flight = Gauge(
+            "kestrel_disagg_transfers_in_flight", "Requests whose KV is being moved (or waits to be)", registry=r
+        )
 
     def set_engine_stats(self, stats: dict[str, int]) -> None:
         self.running.set(stats["running"])
@@ -75,10 +89,20 @@ class ServerMetrics:
             self.cache_pages.set(stats["prefix_cache_pages"])
             self.cache_checkpoints.set(stats["prefix_cache_checkpoints"])
             self.cache_evicted.set(stats["prefix_cache_evicted_pages"])
+        if "disagg_transferring" in stats:
+            self.transfers_in_flight.set(stats.get("disagg_rooms", stats.get("disagg_transfers", 0)))
         if "hicache_disk_files_written" in stats:
             self.disk_corrupt.set(stats["prefix_cache_disk_corrupt_files"])
             self.disk_io_errors.set(stats["prefix_cache_disk_io_errors"])
             self.disk_written.set(stats["hicache_disk_files_written"])
+
+    def observe_transfer(self, record) -> None:
+        """One finished `kestrel.disagg.role.TransferRecord`."""
+        if record.ok:
+            self.transfer_bytes.inc(record.nbytes)
+            self.transfer_latency.observe(record.seconds)
+        else:
+            self.transfers_failed.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -21,9 +22,11 @@ from kestrel.server.chat import create_chat_completion
 from kestrel.server.completions import create_completion
 from kestrel.server.errors import error_body, install_error_handlers
 from kestrel.server.generate import abort_request, generate
+from kestrel.server.media import MediaLimits, MediaLoader
 from kestrel.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kestrel.server.serving import ServingContext
 from kestrel.server.sglang_api import add_sglang_routes
+from kestrel.server.sync_api import add_sync_routes
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +98,18 @@ class BodyLimit:
 
 def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> FastAPI:
     """The app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+    media = None
+    if engine.vision is not None:
+        local = Path(config.allowed_local_media_path) if config.allowed_local_media_path else None
+        limits = MediaLimits(config.max_image_pixels, config.max_image_bytes, config.media_fetch_timeout, local)
+        media = MediaLoader(engine.vision, limits)
     ctx = ServingContext(
         engine,
         model_name,
         reasoning_parser=None if config.reasoning_parser == "none" else config.reasoning_parser,
         tool_call_parser=None if config.tool_call_parser == "none" else config.tool_call_parser,
+        media=media,
+        max_images=config.limit_mm_per_prompt,
     )
     created = int(time.time())
 
@@ -132,6 +142,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
             "created": created,
             "owned_by": "kestrel",
             "max_model_len": engine.max_model_len,
+            "input_modalities": ["text", "image"] if media is not None else ["text"],
         }
         adapters = [  # SGLang's cards of LoRA adapters: root is the folder, parent the base model
             card | {"id": name, "root": path, "parent": model_name} for name, path in engine.lora_adapters.items()
@@ -155,5 +166,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         return await abort_request(body, ctx)
 
     add_sglang_routes(app, ctx, config)
+    add_sync_routes(app, ctx)
     app.state.serving = ctx
     return app

@@ -75,13 +75,23 @@ class TextPart(_Body):
     text: Str
 
 
+class ImageURL(_Body):
+    url: Annotated[str, Strict(), Field(min_length=1)]  # data:, http(s): or file: (see kestrel/server/media.py)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class MediaPart(_Body):
     """A part of another modality: accepted by the schema only so that the refusal can say what was sent."""
 
-    type: Literal["image_url", "input_audio", "file"]
+    type: Literal["input_audio", "file"]
 
 
-Part = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+Part = Annotated[TextPart | ImagePart | MediaPart, Field(discriminator="type")]
 
 
 class Message(_Body):
@@ -95,7 +105,13 @@ class Message(_Body):
     def to_template(self) -> dict[str, Any]:
         """The dict `render_chat` reads (text parts joined; `developer` is a system message)."""
         out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            # Image parts stay parts: the template writes its image marker there (the URL is the server's business).
+            out["content"] = [
+                {"type": "image_url"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.content
+            ]
+        elif isinstance(self.content, list):
             out["content"] = "".join(p.text for p in self.content)
         if self.role == "developer":
             out["role"] = "system"
@@ -152,6 +168,9 @@ class SamplingFields(_Body):
     logit_bias: dict[str, Float] | None = None
     best_of: Int | None = None
     response_format: ResponseFormat | None = None
+    bootstrap_host: Str | list[Str] | None = None  # SGLang's PD fields, injected by its router (one per prompt)
+    bootstrap_port: Int | list[Int | None] | None = None
+    bootstrap_room: Int | list[Int] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -290,15 +309,31 @@ class GenerateRequest(_Body):
     return_logprob: Bool = False
     top_logprobs_num: Int = 0
     logprob_start_len: Int = -1  # -1: no input-token logprobs
-    return_routed_experts: Bool = False  # opt-in: a rollout that does not replay them should not pay for them
+    # Rollout capture (needs --enable-return-routed-experts / --enable-return-indexer-topk): base64 int32 rows of
+    # every token that went through the model, SGLang's encoding; routed_experts_start_len drops the first rows.
+    return_routed_experts: Bool = False
+    return_indexer_topk: Bool = False
+    routed_experts_start_len: Annotated[int, Strict(), Field(ge=0)] = 0
     lora_path: Str | list[Str | None] | None = None  # a loaded adapter's name (SGLang's field), per prompt in a batch
     rid: Rid | list[Rid] | None = None
     stream: Bool = False
+    bootstrap_host: Str | list[Str] | None = None  # SGLang's PD fields, injected by its router (one per prompt)
+    bootstrap_port: Int | list[Int | None] | None = None
+    bootstrap_room: Int | list[Int] | None = None
 
 
 class LoadLoRARequest(_Body):
+    """SGLang's body (`pinned` and `lora_id` are accepted; Kestrel never evicts an adapter), plus the upsert fields:
+    `replace` swaps the version behind a loaded name between two steps, `lora_version` tags it, `checksum` (sha256
+    of adapter_model.safetensors) is verified against the bytes loaded."""
+
     lora_name: Annotated[str, Strict(), Field(min_length=1, max_length=256)]
     lora_path: Str
+    pinned: Bool = False
+    lora_id: Str | None = None
+    replace: Bool = False
+    lora_version: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
+    checksum: Annotated[str, Strict(), Field(pattern=r"^(sha256:)?[0-9a-fA-F]{64}$")] | None = None
 
 
 class UnloadLoRARequest(_Body):
@@ -307,3 +342,30 @@ class UnloadLoRARequest(_Body):
 
 class AbortRequest(_Body):
     rid: Str
+
+
+Version = Annotated[str, Strict(), Field(min_length=1, max_length=256)]
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    """SGLang's `UpdateWeightFromDiskReqInput`; its other fields (is_async, keep_pause, token_step, ...) are
+    accepted and change nothing here (an update never changes the pause state)."""
+
+    model_path: Annotated[str, Strict(), Field(min_length=1)]
+    load_format: Str | None = None
+    weight_version: Version | None = None
+    flush_cache: Bool = True
+    abort_all_requests: Bool = False
+
+
+class PauseGenerationRequest(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationRequest(_Body):
+    pass
+
+
+class UpdateWeightVersionRequest(_Body):
+    new_version: Version
+    abort_all_requests: Bool = True

@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
@@ -14,14 +14,20 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from tokenizers import decoders
 
+from kestrel.disagg.role import BootstrapTarget
 from kestrel.engine.engine import RequestOutput
-from kestrel.engine.grammar import CompiledGrammar
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.models.vision.preprocess import ProcessedImage
 from kestrel.server.async_engine import AsyncEngine, EngineStopped, NeverFits, QueueFull, StreamEvent
 from kestrel.server.errors import APIError, ClientDisconnected
+from kestrel.server.media import MediaLoader
 from kestrel.server.protocol import ResponseFormat
 from kestrel.tokenizer import BYTE_LEVEL
 
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's, when the router names a prefill without one
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 RETRY_AFTER_S = 1
 
@@ -32,6 +38,20 @@ class ServingContext:
     model_name: str
     reasoning_parser: str | None = "kimi"  # None: reasoning stays in `content`
     tool_call_parser: str | None = "kimi_k2"  # None: tool calls stay in `content`
+    media: MediaLoader | None = None  # None: the model takes no images
+    max_images: int = 0  # images per request (--limit-mm-per-prompt)
+
+    async def load_images(self, parts: list[tuple[str, str]], ids: list[int]) -> list[ProcessedImage]:
+        """Fetch, size-check, decode and preprocess every image part at once (400 naming the first bad part)."""
+        marker = self.media.vision.image_token_id
+        if ids.count(marker) != len(parts):  # the template wrote one per image part; text wrote more
+            msg = f"messages: {ids.count(marker)} image placeholders for {len(parts)} images (text may not hold them)"
+            raise APIError(400, msg, param="messages")
+        results = await asyncio.gather(*(self.media.load(url, param) for param, url in parts), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model); 404 for a name that is neither."""
@@ -87,6 +107,31 @@ class ServingContext:
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         return self.engine.max_model_len - num_prompt_tokens
 
+    def bootstrap_targets(self, body, num_prompts: int) -> list[BootstrapTarget | None]:
+        """SGLang's `bootstrap_host/port/room` (one value, or one per prompt) on a disaggregated worker; a
+        worker serving both halves ignores them (None per prompt)."""
+        if self.engine.engine_config.disaggregation_mode == "null" or body.bootstrap_room is None:
+            return [None] * num_prompts
+
+        def per_prompt(value, name: str) -> list:
+            values = value if isinstance(value, list) else [value] * num_prompts
+            if len(values) != num_prompts:
+                msg = f"{name}: {len(values)} values for {num_prompts} prompt(s) (one bootstrap room per sequence)"
+                raise APIError(400, msg, param=name)
+            return values
+
+        rooms = per_prompt(body.bootstrap_room, "bootstrap_room")
+        if body.bootstrap_host is None:
+            raise APIError(400, "bootstrap_host: required with bootstrap_room", param="bootstrap_host")
+        hosts = per_prompt(body.bootstrap_host, "bootstrap_host")
+        ports = per_prompt(body.bootstrap_port, "bootstrap_port")
+        if any(not 0 <= r < 1 << 63 for r in rooms):
+            raise APIError(400, "bootstrap_room: must be in [0, 2^63)", param="bootstrap_room")
+        return [
+            BootstrapTarget(h, DEFAULT_BOOTSTRAP_PORT if p is None else p, r)
+            for h, p, r in zip(hosts, ports, rooms, strict=True)
+        ]
+
     async def compile_grammar(self, fmt: ResponseFormat | None) -> CompiledGrammar | None:
         """The grammar `response_format` asks for (None for text), compiled on a worker thread: a new schema takes
         milliseconds to seconds, which the event loop and the engine thread must not wait for."""
@@ -134,7 +179,7 @@ def event_error(event: StreamEvent) -> APIError | None:
     if event.output is not None:
         for out in event.output.outputs:
             if out.error:
-                return APIError(400, out.error)
+                return APIError(out.error_status, out.error)
     return None
 
 
@@ -154,6 +199,10 @@ class Generation:
         deltas: bool,
         routed_experts: bool = False,
         loras: list[str | None] | None = None,
+        restartable: bool = False,
+        bootstraps: list[BootstrapTarget | None] | None = None,
+        images: list[list[ProcessedImage] | None] | None = None,
+        indexer_topk: bool = False,
     ) -> None:
         self.engine = ctx.engine
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -163,8 +212,20 @@ class Generation:
             self.engine.admit(len(prompts), params.n)
             for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
                 lora = loras[i] if loras else None
+                boot = bootstraps[i] if bootstraps else None
+                ims = images[i] if images else None
                 self.engine.submit(
-                    ids, params, rid, deltas=deltas, routed_experts=routed_experts, events=self.queue, lora=lora
+                    ids,
+                    params,
+                    rid,
+                    deltas=deltas,
+                    routed_experts=routed_experts,
+                    events=self.queue,
+                    lora=lora,
+                    restartable=restartable,
+                    bootstrap=boot,
+                    images=ims,
+                    indexer_topk=indexer_topk,
                 )
                 self.pending.add(rid)
         except QueueFull as exc:

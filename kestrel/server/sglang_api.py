@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request as HTTPRequest
 
+from kestrel.disagg.role import FAKE_BOOTSTRAP_HOST, BootstrapTarget
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.builtin import builtin_model_path
 from kestrel.server.args import ServerConfig
@@ -24,7 +25,6 @@ from kestrel.server.protocol import LoadLoRARequest, UnloadLoRARequest
 from kestrel.server.serving import Generation, ServingContext
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default: a 1-token generation slower than this means a stuck engine
-WEIGHT_VERSION = "default"  # SGLang's value until weights are updated in place, which Kestrel does not do
 
 
 def kestrel_version() -> str:
@@ -45,7 +45,7 @@ def model_info(ctx: ServingContext) -> dict[str, Any]:
         "tokenizer_path": path,  # the tokenizer is always read from the checkpoint folder
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": WEIGHT_VERSION,
+        "weight_version": ctx.engine.weight_version,
     }
 
 
@@ -66,7 +66,9 @@ def server_info(ctx: ServingContext, config: ServerConfig) -> dict[str, Any]:
         "model_path": model_path(ctx),
         "tokenizer_path": model_path(ctx),
         "max_model_len": engine.max_model_len,
-        "weight_version": WEIGHT_VERSION,
+        "weight_version": engine.weight_version,
+        "paused": engine.paused,  # the pause_generation mode, None while generating
+        "lora_adapters": dict(engine.lora_versions),  # name -> path, version tag, checksum
         "version": kestrel_version(),
         "internal_states": [states],  # one entry per data-parallel rank; Kestrel runs one
     }
@@ -78,21 +80,26 @@ async def flush_cache(ctx: ServingContext) -> Response:
     except EngineStopped as exc:
         raise APIError(503, str(exc)) from None
     if not flushed:
-        raise APIError(400, "cannot flush the cache while requests are running or waiting; retry when idle")
+        raise APIError(
+            400, "cannot flush the cache while requests are running; retry when idle or after pause_generation(retract)"
+        )
     return PlainTextResponse("Cache flushed.\n")
 
 
 async def change_lora(ctx: ServingContext, change) -> Response:
-    """Await a load or unload on the engine thread; SGLang's answer, or a 400 naming the problem."""
+    """Await a load or unload on the engine thread; SGLang's answer (plus, for a load, the version now serving
+    under the name), or a 400 naming the problem."""
     try:
-        await change
+        loaded = await change
     except EngineStopped as exc:
         raise APIError(503, str(exc)) from None
     except ValueError as exc:
-        raise APIError(400, str(exc), param="lora_path") from None
+        field = str(exc).partition(":")[0]
+        raise APIError(400, str(exc), param=field if field in ("checksum", "lora_name") else "lora_path") from None
     except Exception as exc:
         raise APIError(500, f"adapter change failed: {exc}") from None
-    return JSONResponse({"success": True, "error_message": "", "loaded_adapters": dict(ctx.engine.lora_adapters)})
+    out = {"success": True, "error_message": "", "loaded_adapters": dict(ctx.engine.lora_adapters)}
+    return JSONResponse(out | ({"adapter": loaded} if loaded is not None else {}))
 
 
 async def health_generate(ctx: ServingContext, client: HTTPRequest) -> Response:
@@ -100,8 +107,12 @@ async def health_generate(ctx: ServingContext, client: HTTPRequest) -> Response:
     if not ctx.engine.alive:
         raise APIError(503, "the engine is not running")
     params = SamplingParams(max_tokens=1, temperature=0.0)
+    # A disaggregated worker checks itself alone, as SGLang's: the fake transfer stands in for the other half.
+    boot = None
+    if ctx.engine.engine_config.disaggregation_mode != "null":
+        boot = BootstrapTarget(FAKE_BOOTSTRAP_HOST, 0, uuid.uuid4().int >> 65)
     try:
-        gen = Generation(ctx, [f"HEALTH_CHECK_{uuid.uuid4().hex}"], [[0]], params, deltas=False)
+        gen = Generation(ctx, [f"HEALTH_CHECK_{uuid.uuid4().hex}"], [[0]], params, deltas=False, bootstraps=[boot])
     except APIError as exc:
         raise APIError(503, f"health check generation refused: {exc.message}") from None
     try:
@@ -130,7 +141,10 @@ def add_sglang_routes(app: FastAPI, ctx: ServingContext, config: ServerConfig) -
 
     @app.post("/load_lora_adapter")
     async def load_lora(body: LoadLoRARequest) -> Response:
-        return await change_lora(ctx, ctx.engine.load_lora_adapter(body.lora_name, body.lora_path))
+        load = ctx.engine.load_lora_adapter(
+            body.lora_name, body.lora_path, body.replace, body.lora_version, body.checksum
+        )
+        return await change_lora(ctx, load)
 
     @app.post("/unload_lora_adapter")
     async def unload_lora(body: UnloadLoRARequest) -> Response:

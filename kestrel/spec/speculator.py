@@ -68,7 +68,7 @@ class DFlashSpeculator:
     def block_len(self, req: Request, budget: int) -> int:
         """Tokens of the request's next verify block (1: decode it plainly this step)."""
         params = req.params
-        if req.matcher is not None or req.routed_experts is not None or req.spec is None:
+        if req.matcher is not None or req.return_routed_experts or req.return_indexer_topk or req.spec is None:
             return 1
         left = params.max_tokens - len(req.output_ids)
         return max(1, min(self.block, left, budget, self.max_model_len - req.computed_len))
@@ -191,6 +191,12 @@ class DFlashSpeculator:
             sl = slice(at, at + n)
             req.spec.kv.write(positions[sl], [(k[sl], v[sl]) for k, v in kv])
             at += n
+
+    def attach_context(self, req: Request) -> DraftKV:
+        """Give a request its (empty) draft KV now rather than at its first forward: a decode worker of a
+        disaggregated pair receives the prompt's context into it."""
+        req.spec = SpecState(self._new_kv(req))
+        return req.spec.kv
 
     def _new_kv(self, req: Request) -> DraftKV:
         attn = self.draft.layers[0].self_attn

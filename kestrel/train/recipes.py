@@ -69,6 +69,37 @@ def k3_mini_config(vocab_size: int, hidden: int = 256, layers: int = 8, experts:
 
 
 @dataclass
+class VisionMix:
+    """The synthetic visual task mixed into a recipe (kestrel/train/vision_data.py) and the tower that reads it."""
+
+    episodes: int  # vision episodes added to the text ones (train); eval gets eval_episodes // 4
+    hidden: int = 64
+    layers: int = 3
+    heads: int = 4
+    intermediate: int = 128
+
+
+def with_vision_tower(config: dict[str, Any], mix: VisionMix, image_token_id: int) -> dict[str, Any]:
+    """A recipe's model config plus a MoonViT tower (8x8 position table: a 112-px image is 8x8 patches)."""
+    vision = {
+        "model_type": "kimi_k25_vision",
+        "patch_size": 14,
+        "pos_emb_height": 8,
+        "pos_emb_width": 8,
+        "pos_emb_time": 4,
+        "num_attention_heads": mix.heads,
+        "num_hidden_layers": mix.layers,
+        "hidden_size": mix.hidden,
+        "intermediate_size": mix.intermediate,
+        "merge_kernel_size": [2, 2],
+        "hidden_act": "gelu_pytorch_tanh",
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+    }
+    top = {"projection_hidden_size": mix.hidden, "projection_layer_norm_eps": 1e-5, "image_token_id": image_token_id}
+    return config | {"vision_config": vision} | top
+
+
+@dataclass
 class Recipe:
     name: str
     hidden: int
@@ -78,7 +109,8 @@ class Recipe:
     train_episodes: int
     eval_episodes: int
     sft: SFTConfig = field(default_factory=SFTConfig)
-    data: tuple[Source, ...] = MINI_MIX  # the weighted episode sources; add one to widen the mix
+    data: tuple[Source, ...] = MINI_MIX  # the weighted text episode sources; add one to widen the mix
+    vision: VisionMix | None = None  # the visual task and its tower, added on top of the text mix
 
 
 RECIPES = {
@@ -102,6 +134,21 @@ RECIPES = {
             save_dtype="bfloat16",
         ),
     ),
+    # The visual task at a small scale, with some text data mixed in: what `kestrel eval --task vision` reaches in
+    # a short CPU run (the README gives the figures).
+    "vision-small": Recipe(
+        "vision-small",
+        hidden=128,
+        layers=4,
+        experts=4,
+        vocab_target=1024,
+        train_episodes=1500,
+        eval_episodes=32,
+        sft=SFTConfig(
+            steps=500, batch_size=16, lr=3e-3, warmup_steps=20, eval_every=125, save_every=50, max_minutes=40
+        ),
+        vision=VisionMix(episodes=12000),
+    ),
     # Seconds-scale run for tests.
     "tiny": Recipe(
         "tiny",
@@ -112,5 +159,16 @@ RECIPES = {
         train_episodes=2000,
         eval_episodes=64,
         sft=SFTConfig(steps=60, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=30, save_every=1000),
+    ),
+    "tiny-vision": Recipe(
+        "tiny-vision",
+        hidden=64,
+        layers=4,
+        experts=4,
+        vocab_target=512,
+        train_episodes=400,
+        eval_episodes=32,
+        sft=SFTConfig(steps=12, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=6, save_every=1000),
+        vision=VisionMix(episodes=400, hidden=32, layers=1, heads=2, intermediate=64),
     ),
 }

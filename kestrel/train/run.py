@@ -9,13 +9,15 @@ from pathlib import Path
 
 import torch
 
+from kestrel.chat_template import MEDIA_PAD
 from kestrel.models.builtin import EMBEDDED_DIR
 from kestrel.models.checkpoint import save_checkpoint
 from kestrel.tokenizer import save_tokenizer
 from kestrel.train.data import HELD_OUT, episodes
-from kestrel.train.recipes import RECIPES, k3_mini_config
+from kestrel.train.recipes import RECIPES, k3_mini_config, with_vision_tower
 from kestrel.train.sft import SFTTrainer
 from kestrel.train.tokenizer import corpus_texts, train_tokenizer
+from kestrel.train.vision_data import vision_episodes
 
 log = logging.getLogger(__name__)
 HELD_OUT_SEED = 10_000  # the held-out loss is measured on held-out phrasings and slot values, another stream
@@ -36,6 +38,9 @@ def run_sft(
         recipe.sft.max_minutes = max_minutes
     train = episodes(recipe.sft.seed, recipe.train_episodes, recipe.data)
     held_out = episodes(HELD_OUT_SEED, recipe.eval_episodes, recipe.data, HELD_OUT)
+    if recipe.vision is not None:  # the visual task, from its own seeds (eval's held-out images are others still)
+        train += vision_episodes(recipe.sft.seed + 1, recipe.vision.episodes)
+        held_out += vision_episodes(HELD_OUT_SEED + 1, max(recipe.eval_episodes // 4, 4))
     out = Path(out_dir)
     tok_dir = out / "tokenizer"
     if (tok_dir / "tokenizer.json").exists():
@@ -48,6 +53,8 @@ def run_sft(
         save_tokenizer(tok, tok_dir)
     vocab = -(-tok.get_vocab_size() // 64) * 64
     config = k3_mini_config(vocab, recipe.hidden, recipe.layers, recipe.experts)
+    if recipe.vision is not None:
+        config = with_vision_tower(config, recipe.vision, tok.token_to_id(MEDIA_PAD))
     trainer = SFTTrainer(config, tok, train, held_out, recipe.sft, out)
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])

@@ -21,16 +21,21 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from kestrel.chat_template import GENERATION_PROMPT, IM_END, IM_MIDDLE, IM_SYSTEM, render_message, tools_json
-from kestrel.config import model_config_from_dict
+from kestrel.config import VisionConfig, model_config_from_dict
 from kestrel.models.checkpoint import init_random_, save_checkpoint
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.moe import MoE
 from kestrel.models.loader import build_model, load_weights
+from kestrel.models.vision.inputs import encode_images, image_offsets, splice_rows
+from kestrel.models.vision.preprocess import image_tokens, preprocess_image
 from kestrel.tokenizer import save_tokenizer
 from kestrel.train.data import Episode
+from kestrel.train.vision_data import IMAGE_SIZE, render_image
 
 log = logging.getLogger(__name__)
+# (token ids, learn mask[, image specs]): what the trainer packs; specs are drawn by `render_image` per batch.
+Example = tuple[list[int], list[bool]] | tuple[list[int], list[bool], list[tuple[str, int]]]
 
 
 @dataclass
@@ -79,10 +84,38 @@ def encode_episode(tok: Tokenizer, ep: Episode) -> tuple[list[int], list[bool]]:
     return ids, mask
 
 
-def packed_batch(examples: list[tuple[list[int], list[bool]]], device) -> tuple[ForwardBatch, torch.Tensor]:
+def encode_example(tok: Tokenizer, ep: Episode, vision: VisionConfig | None) -> Example:
+    """`encode_episode`, with each image marker's placeholder repeated once per merged patch of its image
+    (never learned), and the episode's image specs (drawn only when a batch needs them)."""
+    ids, mask = encode_episode(tok, ep)
+    spec = ep.meta.get("image")
+    if spec is None:
+        return ids, mask
+    if vision is None:
+        raise ValueError("training data has images but the model config has no vision_config")
+    n = image_tokens(IMAGE_SIZE, IMAGE_SIZE, vision)
+    at = ids.index(vision.image_token_id)
+    return ids[:at] + [vision.image_token_id] * n + ids[at + 1 :], mask[:at] + [False] * n + mask[at + 1 :], [spec]
+
+
+def attach_images(model: CausalLM, batch: ForwardBatch, examples: list[Example]) -> None:
+    """Draw, preprocess and encode (with gradients, when training) the batch's images into its placeholders."""
+    vision, rows, images, start = model.cfg.vision, [], [], 0
+    for example in examples:
+        for spec in example[2] if len(example) > 2 else []:
+            image = preprocess_image(render_image(*spec)[0], vision)
+            rows += splice_rows(image_offsets(example[0], [image], vision.image_token_id), [image], start)
+            images.append(image)
+        start += len(example[0])
+    if images:
+        batch.mm_rows = torch.tensor(rows, dtype=torch.long, device=model.device)
+        batch.mm_embeds = torch.cat(encode_images(model, images))
+
+
+def packed_batch(examples: list[Example], device) -> tuple[ForwardBatch, torch.Tensor]:
     """One ForwardBatch of whole sequences and the next-token targets (-100 where no loss)."""
     ids, targets, lens = [], [], []
-    for seq, mask in examples:
+    for seq, mask, *_ in examples:
         ids.extend(seq)
         targets.extend([t if m else -100 for t, m in zip(seq[1:], mask[1:])] + [-100])
         lens.append(len(seq))
@@ -147,8 +180,8 @@ class SFTTrainer:
         torch.manual_seed(cfg.seed)
         mc = model_config_from_dict(model_config)
         self.model = init_random_(build_model(mc, torch.float32), cfg.seed)
-        self.train_set = [encode_episode(tokenizer, ep) for ep in train]
-        self.eval_set = [encode_episode(tokenizer, ep) for ep in held_out]
+        self.train_set = [encode_example(tokenizer, ep, mc.vision) for ep in train]
+        self.eval_set = [encode_example(tokenizer, ep, mc.vision) for ep in held_out]
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2 and "embed" not in n]
         other = [p for n, p in self.model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
         self.optimizer = torch.optim.AdamW(
@@ -158,7 +191,7 @@ class SFTTrainer:
         )
         self.state = TrainState()
         self.rng = random.Random(cfg.seed)
-        self._queue: list[list[tuple[list[int], list[bool]]]] = []
+        self._queue: list[list[Example]] = []
         self._resume()
 
     # -- checkpoints ------------------------------------------------------------------------------------
@@ -191,12 +224,14 @@ class SFTTrainer:
         self.model.eval()
         losses = []
         for i in range(0, len(self.eval_set), self.cfg.batch_size):
-            batch, targets = packed_batch(self.eval_set[i : i + self.cfg.batch_size], self.model.device)
+            examples = self.eval_set[i : i + self.cfg.batch_size]
+            batch, targets = packed_batch(examples, self.model.device)
+            attach_images(self.model, batch, examples)
             losses.append(float(lm_loss(self.model, batch, targets)))
         self.model.train()
         return sum(losses) / len(losses)
 
-    def _next_examples(self) -> list[tuple[list[int], list[bool]]]:
+    def _next_examples(self) -> list[Example]:
         """Random examples, drawn 4 batches at a time and grouped by length so padded KDA wastes little."""
         if not self._queue:
             n = self.cfg.batch_size
@@ -223,7 +258,9 @@ class SFTTrainer:
             time_fraction = (time.perf_counter() - start) / (cfg.max_minutes * 60) if cfg.max_minutes else 0.0
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg, time_fraction)
-            batch, targets = packed_batch(self._next_examples(), self.model.device)
+            examples = self._next_examples()
+            batch, targets = packed_batch(examples, self.model.device)
+            attach_images(self.model, batch, examples)
             batch.routed_experts = {}
             loss = lm_loss(self.model, batch, targets)
             total = loss

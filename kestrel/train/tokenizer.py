@@ -6,11 +6,11 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kestrel.chat_template import IM_END, MARKER_TOKENS, PAD, SPECIAL_TOKENS, render_chat
+from kestrel.chat_template import IM_END, MARKER_TOKENS, MEDIA_TOKENS, PAD, SPECIAL_TOKENS, render_chat
 from kestrel.tokenizer import add_chat_tokens
 from kestrel.train.data import Episode
 
-CHAT_TOKENS = SPECIAL_TOKENS + MARKER_TOKENS
+CHAT_TOKENS = SPECIAL_TOKENS + MARKER_TOKENS + MEDIA_TOKENS
 
 
 def corpus_texts(eps: Iterable[Episode]) -> Iterable[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kestrel.models.layers import batch_invariant
+
 
 def attn_res_mix(
     partial: torch.Tensor, bank: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
@@ -16,5 +18,7 @@ def attn_res_mix(
     candidates = torch.stack([*bank, partial]).float()  # [N, T, D]
     query = norm_weight.float() * proj_weight.float().reshape(-1)
     # rms(c) ⊙ query in one fused op (F.rms_norm scales by its weight after normalising), then the dot product.
-    weights = torch.softmax(F.rms_norm(candidates, (candidates.shape[-1],), query, eps).sum(-1), dim=0)  # [N, T]
-    return torch.einsum("nt,ntd->td", weights, candidates).to(partial.dtype)
+    logits = F.rms_norm(candidates, (candidates.shape[-1],), query, eps).sum(-1)  # [N, T]
+    if batch_invariant.active():  # softmax along each token's own row, then the candidates added in order
+        return batch_invariant.mix(torch.softmax(logits.t().contiguous(), dim=-1).t(), candidates).to(partial.dtype)
+    return torch.einsum("nt,ntd->td", torch.softmax(logits, dim=0), candidates).to(partial.dtype)

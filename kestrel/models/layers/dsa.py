@@ -65,6 +65,50 @@ def causal_mask(prefix_len: int, n: int, length: int, device) -> torch.Tensor:
     return torch.arange(length, device=device)[None, :] <= query_pos
 
 
+def as_positions(idx: torch.Tensor, selected: torch.Tensor, width: int) -> torch.Tensor:
+    """Selected positions of each row in ascending order, -1 padded to `width` (int32): the rollout record format."""
+    last = torch.iinfo(torch.int64).max
+    pos = torch.where(selected, idx, last).sort(dim=-1).values
+    pos = pos.masked_fill(pos == last, -1).to(torch.int32)
+    if pos.shape[-1] < width:
+        pos = torch.cat([pos, pos.new_full((*pos.shape[:-1], width - pos.shape[-1]), -1)], dim=-1)
+    return pos
+
+
+def selected_positions(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
+    """The top-k allowed positions of each row of scores [n, L] (all if fewer): ascending, -1 padded, [n, topk]."""
+    return as_positions(*topk_positions(scores, allowed, min(topk, scores.shape[-1])), topk)
+
+
+def positions_mask(positions: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """Allowed [n, L] from positions [n, k] (-1: none); ValueError if one is not causally visible (records replayed
+    onto a sequence they were not taken from)."""
+    n, length = causal.shape
+    pos = positions.to(device=causal.device, dtype=torch.long)
+    if pos.shape[0] != n or bool((pos >= length).any()):
+        raise ValueError("routing replay: index top-k positions do not fit this sequence")
+    mask = torch.zeros(n, length + 1, dtype=torch.bool, device=causal.device)
+    mask = mask.scatter_(1, torch.where(pos >= 0, pos, length), True)[:, :length]
+    if bool((mask & ~causal).any()):
+        raise ValueError("routing replay: index top-k selects a position its query cannot see")
+    return mask
+
+
+def gather_positions(keys: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's keys at its positions [n, k] (-1: none), padded to `width` slots: keys [g, L, c] (g = 1: shared by
+    every query, else one history per query) → (keys [n, width, c] zero where invalid, valid [n, width])."""
+    pos = positions.to(device=keys.device, dtype=torch.long)
+    if pos.shape[1] < width:
+        pos = torch.cat([pos, pos.new_full((pos.shape[0], width - pos.shape[1]), -1)], dim=1)
+    valid, idx = pos >= 0, pos.clamp(min=0)
+    c = keys.shape[-1]
+    if keys.shape[0] == 1:
+        out = keys[0].index_select(0, idx.reshape(-1)).view(*idx.shape, c)
+    else:
+        out = keys.gather(1, idx[..., None].expand(-1, -1, c))
+    return out.masked_fill(~valid[..., None], 0.0), valid
+
+
 def topk_mask(scores: torch.Tensor, causal: torch.Tensor, topk: int) -> torch.Tensor:
     """Allowed [n, L]: the top-k causal positions per query (all of them if fewer), ties to the lower position."""
     if scores.shape[-1] <= topk:

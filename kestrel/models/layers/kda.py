@@ -12,6 +12,8 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, PrefillPhase
+from kestrel.models.layers import batch_invariant
+from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_step, kda_steps, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
@@ -57,11 +59,11 @@ class KDAAttention(nn.Module):
         mixed, f_a, b, gate = self.in_proj.fused(x).split([self.conv_dim, *self.in_proj.sizes[3:]], dim=-1)
         if self.g_b_proj is not None:
             gate = self.g_b_proj(gate)
-        return mixed, self.forget_gate(f_a), torch.sigmoid(b.float()), gate
+        return mixed, self.forget_gate(f_a), torch.sigmoid(fp32(b)), gate
 
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g ≤ 0, [T, H, K], fp32."""
-        g = (self.f_b_proj(f_a).float() + self.dt_bias).view(-1, self.n_heads, self.head_dim)
+        g = (fp32(self.f_b_proj(f_a)) + self.dt_bias).view(-1, self.n_heads, self.head_dim)
         decay = self.A_log.exp().view(1, self.n_heads, 1)  # A_log and dt_bias are kept in fp32
         if self.gate_lower_bound is not None:
             return self.gate_lower_bound * torch.sigmoid(decay * g)
@@ -70,13 +72,13 @@ class KDAAttention(nn.Module):
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv output into heads; q, k L2-normalised (fp32), q scaled by K^-1/2."""
         c = self.conv_dim // 3
-        qk = l2_normalize(conv_out[..., : 2 * c].float().unflatten(-1, (2, self.n_heads, self.head_dim)))
+        qk = l2_normalize(fp32(conv_out[..., : 2 * c]).unflatten(-1, (2, self.n_heads, self.head_dim)))
         v = conv_out[..., 2 * c :].unflatten(-1, (self.n_heads, self.head_dim))
         return qk[..., 0, :, :] * self.head_dim**-0.5, qk[..., 1, :, :], v
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = o.shape[0]
-        o = self.o_norm(o.to(dtype), gate.view(t, self.n_heads, self.head_dim))
+        o = self.o_norm(cast(o, dtype), gate.view(t, self.n_heads, self.head_dim))
         return self.o_proj(o.reshape(t, -1))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -113,10 +115,9 @@ class KDAAttention(nn.Module):
 
     def decode(self, mixed, g, beta, conv_state, rec_state, in_place: bool = False):
         """One new token for each of B sequences, all at once: conv window, then one recurrent step."""
-        if mixed.dtype != conv_state.dtype:
-            mixed = mixed.to(conv_state.dtype)
-        window = torch.cat([conv_state, mixed[:, :, None]], dim=-1)  # [B, 3C, kernel]
-        conv_out = F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))
+        window = torch.cat([conv_state, cast(mixed, conv_state.dtype)[:, :, None]], dim=-1)  # [B, 3C, kernel]
+        w = self.conv1d.weight.squeeze(1)
+        conv_out = F.silu(batch_invariant.window_conv(window, w) if batch_invariant.active() else (window * w).sum(-1))
         q, k, v = self._qkv(conv_out)
         o, rec_state = kda_step(q, k, v, g, beta, rec_state, in_place)
         return o, window[:, :, 1:], rec_state
@@ -134,17 +135,13 @@ class KDAAttention(nn.Module):
         mixed, g, beta: the prefill rows; conv_state / rec_state: their sequences' states. Hands mid-prefill states
         to the cache as snapshots and returns (outputs [rows, H, V], final conv states, final recurrent states).
         """
-        keep, dim = self.kernel - 1, self.conv_dim
+        dim = self.conv_dim
         x = mixed.new_empty(packed.conv_len, dim)
         x[packed.conv_token_rows] = mixed
         x[packed.conv_history_rows] = conv_state.to(mixed.dtype).transpose(1, 2).reshape(-1, dim)
-        # Depthwise causal conv as kernel shifted multiply-adds over the channels-last run, read at the token rows.
-        w, span = self.conv1d.weight.squeeze(1), packed.conv_len - keep
-        conv = x[:span] * w[:, 0]
-        for j in range(1, self.kernel):
-            conv = conv.addcmul(x[j : j + span], w[:, j])
-        q, k, v = self._qkv(F.silu(conv.index_select(0, packed.conv_out_rows)))
-        if packed.padded_width <= RECURRENT_MAX_TOKENS:
+        q, k, v = self.packed_qkv(x, packed)
+        # Batch-invariant mode: the recurrent form everywhere, so a token's state update is the decode step's.
+        if packed.padded_width <= RECURRENT_MAX_TOKENS or batch_invariant.active():
             o, states = self._short_recurrent(q, k, v, g, beta, packed, rec_state)
         else:
 
@@ -169,6 +166,15 @@ class KDAAttention(nn.Module):
             cache.store_state_snapshots(self.layer_id, seqs, indices, snap_convs, torch.stack(snap_states))
         finals = packed.final_segments
         return o, convs.index_select(0, finals), torch.stack([states[i] for i in finals.tolist()])
+
+    def packed_qkv(self, x: torch.Tensor, packed: PackedPrefill):
+        """q, k, v of the prefill tokens from the conv layout x [conv_len, 3C] (cached inputs in front of each
+        sequence): the depthwise causal conv as kernel shifted multiply-adds over the channels-last run."""
+        w, span = self.conv1d.weight.squeeze(1), packed.conv_len - (self.kernel - 1)
+        conv = x[:span] * w[:, 0]
+        for j in range(1, self.kernel):
+            conv = conv.addcmul(x[j : j + span], w[:, j])
+        return self._qkv(F.silu(conv.index_select(0, packed.conv_out_rows)))
 
     def _short_recurrent(self, q, k, v, g, beta, packed: PackedPrefill, rec_state):
         """Short sequences token by token over a right-padded batch (padding has k = 0, β = 0, g = 0, so each

@@ -253,32 +253,42 @@ def kda_chunked_packed(
     other, so a state snapshot mid-sequence is just a segment end). Returns (o [P, H, V], states
     [len(segment_ends), H, K, V]).
     """
-    P, H, K = k.shape
-    Vd = v.shape[-1]
-    dt = _compute_dtype(q, k, v, g, beta)
-    C = chunk_size
-    if P % C:
-        raise ValueError(f"packed length {P} is not a multiple of chunk_size {C}")
-    Nc = P // C
-
-    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [P, H, D] -> [1, H, Nc, C, D]
-        return x.to(dt).reshape(Nc, C, H, x.shape[-1]).permute(2, 0, 1, 3).unsqueeze(0).contiguous()
-
-    terms = _ChunkTerms(*(to_chunks(x) for x in (q, k, v, g, beta.unsqueeze(-1))))
+    terms = packed_chunk_terms(q, k, v, g, beta, chunk_size)
     M, N_ = terms.M[0], terms.N[0]  # [H, Nc, K, K], [H, Nc, K, V]
-    inits = initial_states.to(dt)
+    inits = initial_states.to(M.dtype)
     begins = dict(zip(first_chunks, range(len(first_chunks))))
     wanted = set(segment_ends)
     starts, ends, state = [], {}, inits[0]
-    for n in range(Nc):
+    for n in range(M.shape[1]):
         if n in begins:
             state = inits[begins[n]]
         starts.append(state)
         state = M[:, n] @ state + N_[:, n]
         if n in wanted:
             ends[n] = state
-    o = terms.outputs(torch.stack(starts, dim=1).unsqueeze(0))  # [1, H, Nc, C, V]
-    return o[0].permute(1, 2, 0, 3).reshape(P, H, Vd), torch.stack([ends[n] for n in segment_ends])
+    return packed_outputs(terms, torch.stack(starts, dim=1)), torch.stack([ends[n] for n in segment_ends])
+
+
+def packed_chunk_terms(q, k, v, g, beta, chunk_size: int = 64) -> _ChunkTerms:
+    """The state-independent part of the chunked form over a packed run (`kda_chunked_packed`'s layout): per chunk n
+    the affine map S ↦ M[:, n] S + N[:, n] of its tokens ([1, H, Nc, K, K], [1, H, Nc, K, V]) and the outputs for
+    any chunk-start states (`packed_outputs`). Prefill context parallelism composes these maps across ranks."""
+    P = k.shape[0]
+    if P % chunk_size:
+        raise ValueError(f"packed length {P} is not a multiple of chunk_size {chunk_size}")
+    dt, nc = _compute_dtype(q, k, v, g, beta), P // chunk_size
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [P, H, D] -> [1, H, Nc, C, D]
+        return x.to(dt).reshape(nc, chunk_size, x.shape[1], x.shape[-1]).permute(2, 0, 1, 3).unsqueeze(0).contiguous()
+
+    return _ChunkTerms(*(to_chunks(x) for x in (q, k, v, g, beta.unsqueeze(-1))))
+
+
+def packed_outputs(terms: _ChunkTerms, starts: torch.Tensor) -> torch.Tensor:
+    """Outputs [P, H, V] of a packed run from its chunk-start states [H, Nc, K, V]."""
+    o = terms.outputs(starts.unsqueeze(0))  # [1, H, Nc, C, V]
+    h, nc, c, vd = o.shape[1:]
+    return o[0].permute(1, 2, 0, 3).reshape(nc * c, h, vd)
 
 
 class _ChunkTerms:

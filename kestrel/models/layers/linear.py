@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.models.layers import batch_invariant
 from kestrel.models.weight_loaders import set_loader, sized_parts_loader
 
 
@@ -40,6 +41,8 @@ class FusedLinear(nn.Linear):
     def part(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """One part alone (e.g. on a detached input, where only that part's gradient path must change)."""
         lo = sum(self.sizes[: list(self.parts).index(name)])
+        if batch_invariant.active():  # a narrower GEMM could sum in another order: slice the whole product instead
+            return self.fused(x)[..., lo : lo + self.parts[name]]
         bias = self.bias[lo : lo + self.parts[name]] if self.bias is not None else None
         out = F.linear(x, self.weight[lo : lo + self.parts[name]], bias)
         return out if self.lora is None else self.lora(x, out, slice(lo, lo + self.parts[name]))

@@ -14,7 +14,17 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
-from kestrel.models.layers.dsa import Indexer, causal_mask, topk_mask
+from kestrel.models.layers import batch_invariant
+from kestrel.models.layers.casts import cast
+from kestrel.models.layers.dsa import (
+    Indexer,
+    as_positions,
+    causal_mask,
+    gather_positions,
+    positions_mask,
+    selected_positions,
+    topk_mask,
+)
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
@@ -87,11 +97,18 @@ class MLAAttention(nn.Module):
         cache = batch.cache
         if cache is not None:
             cache.store_kv(self.layer_id, latent, rope_key, index_key)
+        if batch_invariant.active():
+            out = self._attend_fixed_order(q_nope, q_rope, latent, rope_key, index_key, index_q, index_w, batch)
+            return self._output(out, proj.get("g_proj"))
+        forced = batch.replay.index_topk(self.layer_id) if batch.replay is not None and self.indexer else None
+        record = [] if batch.index_topk is not None and self.indexer is not None else None
         nd = batch.num_decode
         outs = []
         if nd:
+            if forced is not None:
+                raise ValueError("routing replay: index top-k replay runs over whole sequences, not decode rows")
             iq_d, iw_d = (index_q[:nd], index_w[:nd]) if index_q is not None else (None, None)
-            outs.append(self._decode(q_nope[:nd], q_rope[:nd], iq_d, iw_d, cache))
+            outs.append(self._decode(q_nope[:nd], q_rope[:nd], iq_d, iw_d, cache, record))
         for seq in range(nd, batch.num_seqs):
             sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
             n = sl.stop - sl.start
@@ -108,10 +125,81 @@ class MLAAttention(nn.Module):
                 if self.training:
                     loss = self._indexer_distill_loss(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed, scores)
                     self.indexer_loss = loss if self.indexer_loss is None else self.indexer_loss + loss
-                allowed = topk_mask(scores, allowed, self.indexer.topk)
+                if forced is None and record is None:
+                    allowed = topk_mask(scores, allowed, self.indexer.topk)
+                else:
+                    topk = self.indexer.topk
+                    positions = forced[sl] if forced is not None else selected_positions(scores, allowed, topk)
+                    allowed = positions_mask(positions, allowed)
+                    if record is not None:
+                        record.append(positions)
             attend = self.attend_absorbed if n <= ABSORB_MAX_TOKENS else self.attend_naive
             outs.append(attend(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed))
+        if record is not None:
+            batch.index_topk[self.layer_id] = torch.cat(record)
         return self._output(torch.cat(outs, dim=0), proj.get("g_proj"))
+
+    def _attend_fixed_order(self, q_nope, q_rope, latent, rope_key, index_key, index_q, index_w, batch) -> torch.Tensor:
+        """Batch-invariant mode: every query (decode row or prefill token alike) in the absorbed form over its own key
+        positions, in blocks fixed by absolute position (`batch_invariant.latent_attention`). DSA queries attend to
+        their top-k positions in ascending order. Returns [T, H, dv]."""
+        bi = batch_invariant
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        q = bi.head_matmul(q_nope, w[:, : self.nope])  # [T, H, r]
+        if self.rope_dim:
+            q = torch.cat([q, q_rope.to(q.dtype)], dim=-1)
+        forced = batch.replay.index_topk(self.layer_id) if batch.replay is not None and self.indexer else None
+        record = [] if batch.index_topk is not None and self.indexer is not None else None
+        outs = []
+        for rows, hist_latent, hist_rope, hist_index, query_pos in self._histories(latent, rope_key, index_key, batch):
+            slots = bi.padded_keys(hist_latent.shape[1])
+            valid = torch.arange(slots, device=q.device)[None, :] <= query_pos[:, None]
+            own = hist_latent.shape[0] > 1  # decode rows: past a row's length lie other requests' slots, zeroed
+            keys = torch.cat([hist_latent, hist_rope], dim=-1) if self.rope_dim else hist_latent
+            keys = bi.pad_rows(keys, slots, dim=1)
+            keys = keys.masked_fill(~valid[..., None], 0.0) if own else keys
+            if self.indexer is not None:
+                if forced is not None:
+                    positions = forced[rows]
+                else:
+                    index_keys = bi.pad_rows(hist_index, slots, dim=1)
+                    index_keys = index_keys.masked_fill(~valid[..., None], 0.0) if own else index_keys
+                    scores = bi.index_scores(index_q[rows], index_w[rows], index_keys, valid)
+                    positions = selected_positions(scores, valid, self.indexer.topk)
+                    if self.training and hist_latent.shape[0] == 1:
+                        length = hist_latent.shape[1]
+                        loss = self._indexer_distill_loss(
+                            q_nope[rows], q_rope[rows], hist_latent[0], hist_rope[0], valid[:, :length],
+                            scores[:, :length],
+                        )  # fmt: skip
+                        self.indexer_loss = loss if self.indexer_loss is None else self.indexer_loss + loss
+                if record is not None:
+                    record.append(positions)
+                keys, valid = gather_positions(keys, positions, bi.padded_keys(positions.shape[1]))
+            outs.append(bi.latent_attention(q[rows], keys, keys[..., : self.rank], valid, self.scale))
+        if record is not None:
+            batch.index_topk[self.layer_id] = torch.cat(record)
+        out = torch.cat(outs)
+        return bi.head_matmul(out.to(q_nope.dtype), w[:, self.nope :].transpose(1, 2))
+
+    def _histories(self, latent, rope_key, index_key, batch: ForwardBatch):
+        """Per attention group: (rows, latents [g, L, r], rope keys [g, L, dr], index keys [g, L, Di] or None, query
+        positions [n]). The decode rows form one group, each row its own history (g = rows); each prefill sequence
+        is one (g = 1)."""
+        cache, nd = batch.cache, batch.num_decode
+        if nd:
+            hist_latent, hist_rope = cache.decode_kv(self.layer_id)
+            hist_index = cache.decode_index_keys(self.layer_id) if self.indexer is not None else None
+            yield slice(0, nd), hist_latent, hist_rope, hist_index, cache.decode_lengths() - 1
+        for seq in range(nd, batch.num_seqs):
+            sl, prefix = batch.seq_slice(seq), batch.prefix_lens[seq]
+            if cache is not None:
+                hist_latent, hist_rope, hist_index = cache.load_kv(self.layer_id, seq)
+            else:
+                hist_latent, hist_rope = latent[sl], rope_key[sl]
+                hist_index = index_key[sl] if index_key is not None else None
+            query_pos = torch.arange(prefix, prefix + sl.stop - sl.start, device=latent.device)
+            yield sl, hist_latent[None], hist_rope[None], None if hist_index is None else hist_index[None], query_pos
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Heads [T, H, dv] → optional output gate (K3) → o_proj."""
@@ -132,7 +220,7 @@ class MLAAttention(nn.Module):
         logp = torch.log_softmax(index_scores.masked_fill(~causal, float("-inf")), dim=-1)
         return -(target * logp.masked_fill(~causal, 0.0)).sum(-1).mean()
 
-    def _decode(self, q_nope, q_rope, index_q, index_w, cache) -> torch.Tensor:
+    def _decode(self, q_nope, q_rope, index_q, index_w, cache, record: list | None = None) -> torch.Tensor:
         """One new token for each decode row, all at once, in latent space over padded histories. [D, H, dv].
 
         DSA rows read only the latents the indexer selects (all of a history no longer than top-k, in score order),
@@ -154,6 +242,8 @@ class MLAAttention(nn.Module):
                 self.record_index_scores.append((self.layer_id, scores[b : b + 1, :n].cpu()))
         k = torch.sym_min(self.indexer.topk, keys.shape[1])
         idx, selected = topk_positions(scores, allowed, k)  # [D, k]; not selected: padding of histories shorter than k
+        if record is not None:
+            record.append(as_positions(idx, selected, self.indexer.topk))
         latent, rope_key = cache.decode_kv_at(self.layer_id, idx)
         return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
 
@@ -164,17 +254,17 @@ class MLAAttention(nn.Module):
         W_UV views cost as much as the products at decode sizes (the same products, in the same order).
         """
         out_dtype, ct = q_nope.dtype, compiled_cpu_product_dtype(q_nope)
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank).to(ct)
+        w = cast(self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank), ct)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_latent = torch.bmm(q_nope.to(ct).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
-        latent = latent.to(ct)
+        q_latent = torch.bmm(cast(q_nope, ct).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+        latent = cast(latent, ct)
         scores = torch.bmm(q_latent, latent.transpose(1, 2))  # [B, H, L]
         if self.rope_dim:
-            scores = scores + torch.bmm(q_rope.to(ct), rope_key.to(ct).transpose(1, 2))
+            scores = scores + torch.bmm(cast(q_rope, ct), cast(rope_key, ct).transpose(1, 2))
         scores = (scores * self.scale).masked_fill(~allowed[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(ct)
+        probs = cast(torch.softmax(scores, dim=-1, dtype=torch.float32), ct)
         out_latent = torch.bmm(probs, latent)  # [B, H, r]
-        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).to(out_dtype)
+        return cast(torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out_dtype)
 
     # -- the two attention forms ------------------------------------------------------------------------
     def attend_naive(

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
+from kestrel.models.layers import batch_invariant
+from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
 from kestrel.models.layers.norm import RMSNorm
@@ -18,11 +20,11 @@ GATHERED_MAX_PAIRS = 16
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU: β·tanh(gate/β)·sigmoid(gate) · (β_lin·tanh(up/β_lin) if β_lin else up), computed in fp32."""
-    g, u = gate.float(), up.float()
+    g, u = fp32(gate), fp32(up)
     act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     if linear_beta:
         u = linear_beta * torch.tanh(u / linear_beta)
-    return (act * u).to(gate.dtype)
+    return cast(act * u, gate.dtype)
 
 
 class GatedActivation:
@@ -61,7 +63,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(fp32(x), fp32(self.weight))
         return logits.sigmoid() if self.activation == "sigmoid" else logits.softmax(dim=-1)
 
     def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +73,7 @@ class Router(nn.Module):
         return self.weights_for(scores, ids), ids
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        choice = scores + self.e_score_correction_bias.float()
+        choice = scores + fp32(self.e_score_correction_bias)
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
@@ -108,6 +110,8 @@ class Experts(nn.Module):
         self.lora = None  # per-expert LoRA terms (kestrel.models.lora), added to each pair's outputs, never merged
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.active():
+            return batch_invariant.experts(x, ids, weights, self.one_expert)
         if self.lora is not None and self.lora.active():
             return self.lora.forward(x, ids, weights)
         if torch.compiler.is_compiling() and ids.numel() <= GATHERED_MAX_PAIRS:
@@ -119,6 +123,17 @@ class Experts(nn.Module):
         if ids.shape[0] == 1 and not torch.is_grad_enabled():  # batch-1 decode: see expert_pairs
             return expert_pairs(*args)
         return expert_segments(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
+
+    def one_expert(self, e: int, xs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Expert e on the rows routed to it (`tokens`: their token indices, for the rows' LoRA adapters)."""
+        lora = self.lora if self.lora is not None and self.lora.active() else None
+        gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
+        if lora is not None:
+            gate = gate + lora.expert_delta(e, "gate_proj", xs, tokens)
+            up = up + lora.expert_delta(e, "up_proj", xs, tokens)
+        h = self.act(gate, up)
+        y = F.linear(h, self.down_proj[e])
+        return y if lora is None else y + lora.expert_delta(e, "down_proj", h, tokens)
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each pair's expert weights gathered into two batched matmuls: inductor fuses the gather, no copy."""
@@ -198,12 +213,12 @@ def expert_pairs(
     """`expert_segments` for one token, one expert at a time: the grouped GEMM would also visit every idle expert and
     the sort/scatter bookkeeping costs more than the token's GEMMs. Bit-identical to `expert_segments` for one token:
     each expert sees the same one-row GEMM, and the terms are added in the same order (by expert id, from zero)."""
-    out, columns = torch.zeros_like(x), weights.unbind(1)  # one view op for all k weight columns
+    out, columns = None, weights.unbind(1)  # one view op for all k weight columns
     for e, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
         gate, up = F.linear(x, gate_up_proj[e]).chunk(2, dim=-1)
         h = situ(gate, up, beta, linear_beta or None) if act == "situ" else F.silu(gate) * up
-        y = F.linear(h, down_proj[e]) * columns[j]
-        out.add_(y if y.dtype == x.dtype else y.to(x.dtype))
+        y = cast(F.linear(h, down_proj[e]) * columns[j], x.dtype)
+        out = y if out is None else out.add_(y)  # the first term as it is: 0 + y is y, bit for bit
     return out
 
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.models.layers.casts import cast, fp32
+
 
 class RMSNorm(nn.Module):
     """Normalise in fp32, cast back, then scale: identical rounding to transformers' DeepSeek/Kimi norms."""
@@ -31,5 +33,5 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
-        return (normed * torch.sigmoid(gate.float())).to(x.dtype)
+        normed = F.rms_norm(fp32(x), (x.shape[-1],), fp32(self.weight), self.eps)
+        return cast(normed * torch.sigmoid(fp32(gate)), x.dtype)

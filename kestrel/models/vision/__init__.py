@@ -1,0 +1,1 @@
+"""Image input: the MoonViT tower, patch merger and projector (`moonvit`), and preprocessing (`preprocess`)."""
