@@ -10,7 +10,7 @@ import re
 import pytest
 
 from kestrel.chat_template import render_chat
-from kestrel.train.data import HELD_OUT, MINI_MIX, TRAIN, Episode, Source, episodes
+from kestrel.train.data import COPY_DRILLS, HELD_OUT, MINI_MIX, TRAIN, Episode, Source, episodes
 from kestrel.train.evaluate import (
     CATEGORIES,
     PLACE_SLOTS,
@@ -19,6 +19,7 @@ from kestrel.train.evaluate import (
     tool_calls,
     tool_cases,
 )
+from kestrel.train.synth import copying
 from kestrel.train.synth.arithmetic import CANONICAL, HELD_OUT_TEMPLATES, TRAIN_TEMPLATES, arithmetic_episode, solve
 from kestrel.train.synth.phrasing import fill, normalized
 from kestrel.train.synth.places import REAL_PLACES, place_split
@@ -230,3 +231,30 @@ def test_every_category_of_the_evaluation_has_n_questions_from_held_out_phrasing
 
 def _call_text(name: str, args: dict) -> str:
     return render_chat([call_message(name, args, "")], None, False)
+
+
+def test_copy_drills_reply_with_the_verbatim_span_and_keep_the_train_held_out_split():
+    train, held = episodes(2, 800, (COPY_DRILLS,)), episodes(3, 400, (COPY_DRILLS,), HELD_OUT)
+    assert COPY_DRILLS not in MINI_MIX  # opt-in: no A/B has shown it lifts held-out tool calls yet
+    for ep in train + held:
+        span = ep.meta["slots"]["text"]
+        assert ep.kind == "copy" and ep.answer == span and span in ep.messages[0]["content"]
+        assert ep.messages[1]["content"] == span  # the reply is the span itself, nothing around it
+    assert {ep.meta["tool"] for ep in train} == set(copying.SPAN_SLOTS)
+
+    def spans(eps: list[Episode]) -> set[str]:
+        return {ep.meta["slots"]["text"] for ep in eps}
+
+    assert len(spans(held)) > 200 and not spans(train) & spans(held)
+    def cities(eps: list[Episode]) -> set[str]:
+        return {ep.meta["slots"]["text"] for ep in eps if ep.meta["tool"] == "get_weather"}
+
+    assert {place_split(p) for p in cities(train)} == {TRAIN} and {place_split(p) for p in cities(held)} == {HELD_OUT}
+    train_templates, held_templates = copying.TEMPLATES
+    assert {ep.meta["template"] for ep in train} <= set(train_templates)
+    assert {ep.meta["template"] for ep in held} <= set(held_templates)
+    assert not {normalized(t) for t in train_templates} & {normalized(t) for t in held_templates}
+    # No held-out place, whole word, anywhere in a training drill.
+    held_places = {p for p in REAL_PLACES if place_split(p) == HELD_OUT} | cities(held)
+    pattern = re.compile(r"\b(?:" + "|".join(re.escape(p) for p in sorted(held_places, key=len, reverse=True)) + r")\b")
+    assert [m.group() for text in _rendered(train) for m in [pattern.search(text)] if m] == []

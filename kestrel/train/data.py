@@ -11,11 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kestrel.train.synth.arithmetic import arithmetic_episode
+from kestrel.train.synth.copying import copy_episode
 from kestrel.train.synth.episode import HELD_OUT, TRAIN, Episode, check_split
 from kestrel.train.synth.smalltalk import smalltalk_episode
 from kestrel.train.synth.tools import tool_episode
 
-__all__ = ["HELD_OUT", "MINI_MIX", "TRAIN", "Episode", "Source", "episodes"]
+__all__ = ["COPY_DRILLS", "HELD_OUT", "MINI_MIX", "TRAIN", "Episode", "Source", "episodes"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ MINI_MIX: tuple[Source, ...] = (
     Source("tools", 0.37, tool_episode),
     Source("smalltalk", 0.08, smalltalk_episode),
 )
+COPY_DRILLS = Source("copy", 0.08, copy_episode)  # "repeat after me": the span-copying skill of a tool call, alone
 
 
 def episodes(seed: int, n: int, sources: Sequence[Source] = MINI_MIX, split: str = TRAIN) -> list[Episode]:
