@@ -68,3 +68,18 @@ def test_held_out_two_digit_addition_at_least_70_percent(llm):
     scores = eval_arithmetic(llm, 25)
     print("arithmetic:", scores)
     assert scores["add2"] >= HELD_OUT_ADD2_FLOOR
+
+
+def test_eval_command_writes_the_issue_probes_as_json(tmp_path):
+    import json
+
+    from kestrel.cli import main
+    from kestrel.train.evaluate import ISSUE_PROBES
+
+    out = tmp_path / "scores.json"
+    assert main(["eval", "--task", "probes", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["probes"]
+    assert [r["question"] for r in rows] == [q for q, _, _ in ISSUE_PROBES]
+    for row, (_, _, want) in zip(rows, ISSUE_PROBES):
+        got = tool_calls(row["output"]) == [want] if isinstance(want, tuple) else final_answer(row["output"]) == want
+        assert row["right"] == got

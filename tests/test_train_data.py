@@ -246,6 +246,7 @@ def test_copy_drills_reply_with_the_verbatim_span_and_keep_the_train_held_out_sp
         return {ep.meta["slots"]["text"] for ep in eps}
 
     assert len(spans(held)) > 200 and not spans(train) & spans(held)
+
     def cities(eps: list[Episode]) -> set[str]:
         return {ep.meta["slots"]["text"] for ep in eps if ep.meta["tool"] == "get_weather"}
 
