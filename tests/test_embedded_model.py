@@ -52,6 +52,9 @@ def test_percentage_question_reasons_then_answers(llm):
 
 # Floors under the shipped model's held-out scores (unseen phrasings, places and operands; `kestrel eval`):
 # regressions of the model, the engine or the eval fail here. Raise them when kestrel-mini is retrained.
+# Measured on the shipped kestrel-mini (commit 357798d, model.safetensors sha256 56cd127a..., trained on the data
+# before issue 18): at these tests' n, tools mean 0.0625 (n=8: no_tool 0.75, every call category 0.0) and add2 1.0
+# (n=25); `kestrel eval --task all` (n=200): tools mean 0.074, add2 0.98.
 HELD_OUT_TOOLS_MEAN_FLOOR = 0.05
 HELD_OUT_ADD2_FLOOR = 0.7
 
@@ -82,4 +85,5 @@ def test_eval_command_writes_the_issue_probes_as_json(tmp_path):
     assert [r["question"] for r in rows] == [q for q, _, _ in ISSUE_PROBES]
     for row, (_, _, want) in zip(rows, ISSUE_PROBES):
         got = tool_calls(row["output"]) == [want] if isinstance(want, tuple) else final_answer(row["output"]) == want
-        assert row["right"] == got
+        assert row["right"] == got and row["output"]
+    assert rows[-1]["right"]  # the shipped model answers "What is 15% of 240?" with 36 (its weather probes fail)
