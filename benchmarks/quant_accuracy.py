@@ -36,8 +36,9 @@ from kestrel.models.builtin import builtin_model_path
 from kestrel.models.checkpoint import convert_checkpoint, make_model
 from kestrel.models.layers.moe_mxfp4 import expert_bytes
 from kestrel.plan import kv_bytes_per_token_layer, resolve_model
-from kestrel.train.data import arithmetic_episode, tool_episode
 from kestrel.train.evaluate import HELD_OUT_SEED, eval_arithmetic, eval_tools
+from kestrel.train.synth.arithmetic import arithmetic_episode
+from kestrel.train.synth.tools import tool_episode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quant_accuracy.json"
 KV_FORMATS = ("fp8_e4m3", "nvfp4")
@@ -53,7 +54,7 @@ def prompts(n: int, tokenizer) -> list[list[int]]:
             ep = tool_episode(rng)
             texts.append(render_chat(ep.messages[:1], ep.tools, True, ep.reasoning_effort))
         else:
-            ep = arithmetic_episode(rng, rng.choice(["add", "sub", "mul", "pct"]))
+            ep = arithmetic_episode(rng, op=rng.choice(["add", "sub", "mul", "pct"]))
             texts.append(render_chat(ep.messages[:1], None, True, "high"))
     return [tokenizer.encode(t).ids for t in texts]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -238,14 +239,24 @@ def cmd_rl(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
-    from kestrel.train.evaluate import eval_arithmetic, eval_tools
+    from kestrel.train.evaluate import EVALS, run_probes
     from kestrel.train.vision_eval import eval_vision
 
     llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype)
-    tasks = {"arithmetic": eval_arithmetic, "tools": eval_tools, "vision": eval_vision}
-    scores = tasks[args.task](llm, args.n)
-    for name, value in scores.items():
-        print(f"{args.task}/{name}: {value:.3f}")
+    evals = {**EVALS, "vision": eval_vision}
+    tasks = [*EVALS, "probes"] if args.task == "all" else [args.task]  # all: the text tasks (vision needs a tower)
+    report: dict = {}
+    for task in tasks:
+        if task == "probes":
+            report["probes"] = [{"question": q, "output": text, "right": ok} for q, text, ok in run_probes(llm)]
+            for row in report["probes"]:
+                print(f"probes: {'right' if row['right'] else 'WRONG'}: {row['question']!r} -> {row['output']!r}")
+            continue
+        report[task] = evals[task](llm, args.n)
+        for name, value in report[task].items():
+            print(f"{task}/{name}: {value:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return 0
 
 
@@ -406,10 +417,16 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--ship", action="store_true", help="install the adapter as kestrel/assets/kestrel-mini-rl")
     rl.set_defaults(func=cmd_rl)
 
-    ev = add_command(sub, "eval", "held-out accuracy (default: the built-in model): arithmetic, tool calling, vision")
+    ev = add_command(
+        sub, "eval", "held-out accuracy per category (default: the built-in model): arithmetic, tool calling, vision"
+    )
     ev.add_argument("model", nargs="?", default=None)
-    ev.add_argument("--task", required=True, choices=["arithmetic", "tools", "vision"])
-    ev.add_argument("-n", type=int, default=200)
+    tasks = ["arithmetic", "tools", "vision", "probes", "all"]
+    ev.add_argument(
+        "--task", required=True, choices=tasks, help="probes: the failures issue 18 reported; all: the text tasks"
+    )
+    ev.add_argument("-n", type=int, default=200, help="questions per category")
+    ev.add_argument("--json", default=None, help="also write the scores to this file")
     ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")
     ev.set_defaults(func=cmd_eval)
     return parser

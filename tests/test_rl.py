@@ -29,7 +29,6 @@ from kestrel.models.checkpoint import make_model
 from kestrel.models.loader import load_model
 from kestrel.models.lora import load_peft
 from kestrel.spec.draft import weights_sha256
-from kestrel.train.data import arithmetic_episode, tool_episode
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
@@ -37,6 +36,9 @@ from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
 from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum
 from kestrel.train.routing_replay import sequence_logprobs
+from kestrel.train.synth.arithmetic import arithmetic_episode
+from kestrel.train.synth.episode import TRAIN
+from kestrel.train.synth.tools import tool_episode
 
 TINY = RL_RECIPES["tiny"]
 
@@ -102,22 +104,25 @@ def test_kl_to_the_reference_is_k3_and_joins_the_loss_with_its_coefficient():
 def test_rewards_are_exact_final_answers_and_exact_tool_calls():
     rng = random.Random(5)
     sub, tools = MINI_TASKS.task("sub"), MINI_TASKS.task("tools")
-    ep = arithmetic_episode(rng, "sub")
+    ep = arithmetic_episode(rng, TRAIN, "sub")
     assert sub.reward(ep, f"<think>... So it is {ep.answer + 1}.</think>The answer is {ep.answer}.", []) == 1.0
     assert sub.reward(ep, f"<think>So {ep.answer}.</think>The answer is {ep.answer + 1}.", []) == 0.0
     assert sub.reward(ep, "<think>hmm</think>I do not know.", []) == 0.0
-    ep = tool_episode(rng, city="Lima", tool="get_weather")
+    ep = tool_episode(rng, TRAIN, "get_weather")
+    args = ep.answer["arguments"]
+    city = args["city"]
 
     def call(name, args):
         return {"function": {"name": name, "arguments": json.dumps(args)}}
 
-    right = render_tool_calls([call("get_weather", {"city": "Lima"})])
+    right = render_tool_calls([call("get_weather", args)])
     assert tools.reward(ep, "<think>x</think>" + right, []) == 1.0
-    assert tools.reward(ep, render_tool_calls([call("get_weather", {"city": "Oslo"})]), []) == 0.0
-    assert tools.reward(ep, render_tool_calls([call("get_local_time", {"city": "Lima"})]), []) == 0.0
-    twice = render_tool_calls([call("get_weather", {"city": "Lima"})] * 2)
+    other = args | {"city": city + "ville"}
+    assert tools.reward(ep, render_tool_calls([call("get_weather", other)]), []) == 0.0
+    assert tools.reward(ep, render_tool_calls([call("get_local_time", args)]), []) == 0.0
+    twice = render_tool_calls([call("get_weather", args)] * 2)
     assert tools.reward(ep, twice, []) == 0.0
-    assert tools.reward(ep, right.replace('"Lima"}', '"Lima"'), []) == 0.0  # not JSON
+    assert tools.reward(ep, right.replace("}<|tool_call_end|>", "<|tool_call_end|>"), []) == 0.0  # not JSON
 
 
 # -- the loop on a tiny model, against a real engine subprocess -------------------------------------------------------

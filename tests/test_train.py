@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from kestrel.chat_template import render_chat
 from kestrel.models.loader import load_model
 from kestrel.tokenizer import save_tokenizer
-from kestrel.train.data import episodes, percent_trace, tool_episode
+from kestrel.train.data import episodes
 from kestrel.train.sft import encode_episode
+from kestrel.train.synth.arithmetic import percent_trace
+from kestrel.train.synth.tools import tool_episode
 from kestrel.train.tokenizer import corpus_texts, train_tokenizer
 
 
@@ -31,11 +33,12 @@ def test_episodes_are_deterministic_and_cover_every_kind():
 def test_tool_episode_uses_kimi_k2_call_format():
     import random
 
-    ep = tool_episode(random.Random(0), city="Beijing", tool="get_weather")
+    ep = tool_episode(random.Random(0), category="get_weather")
     text = render_chat(ep.messages, ep.tools, False)
+    args = json.dumps(ep.answer["arguments"], ensure_ascii=False)
     assert (
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-        '{"city": "Beijing"}<|tool_call_end|><|tool_calls_section_end|>' in text
+        f"{args}<|tool_call_end|><|tool_calls_section_end|>" in text
     )
     assert any(t["function"]["name"] == "get_weather" for t in ep.tools)
 
@@ -45,6 +48,16 @@ def test_tool_episode_uses_kimi_k2_call_format():
 def test_tokenizer_round_trips_arbitrary_utf8(tokenizer, text):
     # Special tokens are kept on decode: hypothesis also draws the module's own literals, such as "<|bos|>".
     assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_tokenizer_round_trips_every_rendered_episode(tokenizer):
+    """Made-up names, unit symbols and non-ASCII places ("São Paulo", "°F") come back byte for byte."""
+    from kestrel.train.evaluate import tool_cases
+
+    eps = episodes(8, 300) + [ep for _, ep in tool_cases(4)]
+    for ep in eps:
+        text = render_chat(ep.messages, ep.tools, False, ep.reasoning_effort)
+        assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
 
 
 def test_digits_are_single_tokens(tokenizer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.train.data import MINI_MIX, Source
 from kestrel.train.grpo import ClipConfig
 from kestrel.train.rl import RLConfig
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, TaskMix
@@ -111,7 +112,8 @@ class Recipe:
     train_episodes: int
     eval_episodes: int
     sft: SFTConfig = field(default_factory=SFTConfig)
-    vision: VisionMix | None = None
+    data: tuple[Source, ...] = MINI_MIX  # the weighted text episode sources; add one to widen the mix
+    vision: VisionMix | None = None  # the visual task and its tower, added on top of the text mix
 
 
 RECIPES = {

@@ -17,7 +17,9 @@ from functools import partial
 from tokenizers import Tokenizer
 
 from kestrel.train import evaluate
-from kestrel.train.data import Episode, arithmetic_episode, tool_episode
+from kestrel.train.synth.arithmetic import arithmetic_episode
+from kestrel.train.synth.episode import TRAIN, Episode
+from kestrel.train.synth.tools import tool_episode
 
 Correct = Callable[[Episode, str], bool]  # (episode, completion text) -> right?
 Reward = Callable[[Episode, str, list[int]], float]  # (episode, completion text, completion token ids) -> reward
@@ -93,7 +95,7 @@ def score(keys: Sequence[str], right: Sequence[bool]) -> dict[str, float]:
 # -- the mini recipe's tasks (module-level functions and partials: spawned ranks unpickle the mix) ---------------------
 def arithmetic_prompt(op: str, digits: int | None, rng: random.Random) -> Episode:
     """A training arithmetic question, asked with the worked trace (reasoning effort high) the reward can improve."""
-    ep = arithmetic_episode(rng, op, digits)
+    ep = arithmetic_episode(rng, TRAIN, op, digits)
     ep.reasoning_effort = "high"
     return ep
 

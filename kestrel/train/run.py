@@ -13,14 +13,14 @@ from kestrel.chat_template import MEDIA_PAD
 from kestrel.models.builtin import EMBEDDED_DIR
 from kestrel.models.checkpoint import save_checkpoint
 from kestrel.tokenizer import save_tokenizer
-from kestrel.train.data import episodes
+from kestrel.train.data import HELD_OUT, episodes
 from kestrel.train.recipes import RECIPES, k3_mini_config, with_vision_tower
 from kestrel.train.sft import SFTTrainer
 from kestrel.train.tokenizer import corpus_texts, train_tokenizer
 from kestrel.train.vision_data import vision_episodes
 
 log = logging.getLogger(__name__)
-HELD_OUT_SEED = 10_000  # evaluation episodes come from a different stream than training
+HELD_OUT_SEED = 10_000  # the held-out loss is measured on held-out phrasings and slot values, another stream
 
 
 def run_sft(
@@ -36,8 +36,8 @@ def run_sft(
         recipe.sft.steps = steps
     if max_minutes is not None:
         recipe.sft.max_minutes = max_minutes
-    train = episodes(recipe.sft.seed, recipe.train_episodes)
-    held_out = episodes(HELD_OUT_SEED, recipe.eval_episodes)
+    train = episodes(recipe.sft.seed, recipe.train_episodes, recipe.data)
+    held_out = episodes(HELD_OUT_SEED, recipe.eval_episodes, recipe.data, HELD_OUT)
     if recipe.vision is not None:  # the visual task, from its own seeds (eval's held-out images are others still)
         train += vision_episodes(recipe.sft.seed + 1, recipe.vision.episodes)
         held_out += vision_episodes(HELD_OUT_SEED + 1, max(recipe.eval_episodes // 4, 4))

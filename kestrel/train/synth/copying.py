@@ -1,0 +1,55 @@
+"""Copy drills: the user gives a span (a place, an address, a search topic, a ticker) and asks for it back verbatim.
+
+A tool call is mostly a copy of words the model has never seen; these short episodes put that one skill at a high
+density, so the copying circuit forms early in training. Spans come from the tool requests' own slot values, so
+they obey the same train / held-out split.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kestrel.train.synth.episode import TRAIN, Episode, check_split
+from kestrel.train.synth.phrasing import fill
+from kestrel.train.synth.tools import request
+
+TEMPLATES = (
+    [
+        "Repeat after me: {text}",
+        "Say {text}.",
+        "Please echo this: {text}",
+        "Copy this exactly: {text}",
+        "Write back {text}",
+        "repeat {text}",
+        "Can you repeat '{text}'?",
+        "Type {text} for me.",
+    ],
+    [
+        "Could you say {text} back to me?",
+        "Echo the following: {text}",
+        "Reply with exactly {text}.",
+    ],
+)
+# Tools whose requests carry a free-text span, and which slot it is in.
+SPAN_SLOTS = {
+    "get_weather": "city",
+    "get_directions": "origin",
+    "search_web": "query",
+    "send_email": "to",
+    "get_stock_price": "symbol",
+}
+
+
+def copy_episode(rng: random.Random, split: str = TRAIN, noise: float = 0.1) -> Episode:
+    """One drill: a slot value of `split` in a copy request of `split`; the reply is the value, verbatim."""
+    check_split(split)
+    tool = rng.choice(list(SPAN_SLOTS))
+    text = str(request(rng, split, tool).slots[SPAN_SLOTS[tool]])
+    template = rng.choice(TEMPLATES[0 if split == TRAIN else 1])
+    messages = [
+        {"role": "user", "content": fill(template, {"text": text}, rng, noise)},
+        {"role": "assistant", "reasoning_content": f"The user wants {text} repeated.", "content": text},
+    ]
+    effort = rng.choice([None, None, "high", "low"])
+    meta = {"category": "copy", "template": template, "intent": "copy", "tool": tool, "slots": {"text": text}}
+    return Episode("copy", messages, None, effort, text, meta)
