@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from report import write_result
 
-import kestrel.engine.engine as engine_module
+import kestrel.engine.capacity as capacity_module
 from kestrel import LLM, SamplingParams
 from kestrel.chat_template import render_chat
 from kestrel.models.builtin import builtin_model_path
@@ -114,8 +114,8 @@ def evals(llm: LLM, n: int) -> dict[str, float]:
 
 def capacities(path: str, free: int, mem_fraction: float, formats) -> dict[str, int]:
     """Engine KV token capacity per format, every engine sizing from the same free-memory reading."""
-    saved = engine_module.free_memory_bytes
-    engine_module.free_memory_bytes = lambda device: free
+    saved = capacity_module.free_memory_bytes
+    capacity_module.free_memory_bytes = lambda device: free
     try:
         out = {}
         for fmt in formats:
@@ -126,7 +126,7 @@ def capacities(path: str, free: int, mem_fraction: float, formats) -> dict[str, 
             del llm
         return out
     finally:
-        engine_module.free_memory_bytes = saved
+        capacity_module.free_memory_bytes = saved
 
 
 def planner_ratio(path: str) -> float:
@@ -179,7 +179,7 @@ def main() -> None:
         )
     packed, bf16 = expert_bytes(variants["mxfp4 experts"].engine.model)
 
-    free = engine_module.free_memory_bytes(torch.device("cpu"))
+    free = capacity_module.free_memory_bytes(torch.device("cpu"))
     k31 = make_model(
         "deepseek_v32",
         "tiny",

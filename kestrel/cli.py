@@ -212,6 +212,45 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
     return 0
 
 
+RL_OVERRIDES = ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "lr", "seed", "eval_every")
+RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
+RL_OVERRIDES += RL_CLIP_OVERRIDES
+
+
+def cmd_rl(args: argparse.Namespace) -> int:
+    import json
+
+    from kestrel.train.recipes import RL_RECIPES
+    from kestrel.train.rl import RLJob, run_rl
+    from kestrel.train.rl_ship import ship_adapter, summarize
+    from kestrel.train.rollout_client import RolloutError
+
+    recipe = RL_RECIPES[args.recipe]
+    overrides = {k: v for k, v in vars(args).items() if k in RL_OVERRIDES and v is not None}
+    clip = {k: overrides.pop(k) for k in list(overrides) if k in RL_CLIP_OVERRIDES}
+    config = dataclasses.replace(recipe.config, **overrides, clip=dataclasses.replace(recipe.config.clip, **clip))
+    config.deterministic = args.deterministic_inference
+    for url in (args.rollout_url or []) + (args.sync_url or []):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--rollout-url/--sync-url: {url!r} is not an http(s):// URL")
+    check_device(args.device)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    out = args.out or f"out/rl-{args.recipe}"
+    job = RLJob(config, recipe.tasks, out, args.model or recipe.model, args.rollout_url or [], args.sync_url, device)
+    try:
+        state = run_rl(job, args.nproc)
+    except RolloutError as exc:  # an engine refused a request, did not start, or served another adapter version
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    summary = summarize(state)
+    print(json.dumps(summary, indent=2))
+    root = Path(out)
+    print(f"adapter: {root / 'adapter'}; curves: {root / 'rl_curves.png'}; per step: {root / 'metrics.jsonl'}")
+    if args.ship:
+        print(f"shipped to {ship_adapter(job, state, args.recipe)}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.train.evaluate import eval_arithmetic, eval_tools
@@ -349,6 +388,43 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-minutes", type=float, default=None)
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default (model or draft)")
     tr.set_defaults(func=cmd_train)
+
+    from kestrel.train.recipes import RL_RECIPES
+
+    rl = add_command(sub, "rl", "GRPO: train a LoRA adapter on verifiable rewards, rollouts from engines over HTTP")
+    rl.add_argument("--recipe", default="mini", choices=list(RL_RECIPES))
+    rl.add_argument("--model", default=None, help="base checkpoint (default: the recipe's, the embedded kestrel-mini)")
+    rl.add_argument("--out", default=None, help="default: out/rl-RECIPE (resumes from it)")
+    rl.add_argument("--steps", type=int, default=None)
+    rl.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this much wall time")
+    rl.add_argument("--prompts-per-step", type=int, default=None, help="groups per step")
+    rl.add_argument("--samples-per-prompt", type=int, default=None, help="GRPO's group size n")
+    rl.add_argument("--lr", type=float, default=None)
+    rl.add_argument("--seed", type=int, default=None, help="prompts and sampling seeds")
+    rl.add_argument("--eval-every", type=int, default=None, help="held-out accuracy every N steps (0: never)")
+    rl.add_argument("--clip-low", type=float, default=None, help="PPO clip below: ratio >= 1 - clip_low")
+    rl.add_argument("--clip-high", type=float, default=None, help="PPO clip above: ratio <= 1 + clip_high")
+    rl.add_argument("--tis-cap", type=float, default=None, help="truncated importance weights: min(w, cap)")
+    rl.add_argument("--kl-coef", type=float, default=None, help="k3 KL to the base in the loss (0: off)")
+    rl.add_argument("--nproc", type=int, default=1, help="data-parallel trainer ranks (one process each)")
+    rl.add_argument(
+        "--rollout-url",
+        nargs="+",
+        default=None,
+        help="engines or an sglang-router to send /generate to (default: start one `kestrel serve` here)",
+    )
+    rl.add_argument(
+        "--sync-url", nargs="+", default=None, help="engines that receive each adapter (default: the rollout URLs)"
+    )
+    rl.add_argument(
+        "--deterministic-inference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batch-invariant trainer (engines need --deterministic-inference too): train/rollout logprobs equal",
+    )
+    rl.add_argument("--device", default="cpu", help="trainer device: cpu, cuda, cuda:N or auto")
+    rl.add_argument("--ship", action="store_true", help="install the adapter as kestrel/assets/kestrel-mini-rl")
+    rl.set_defaults(func=cmd_rl)
 
     ev = add_command(sub, "eval", "held-out accuracy (default: the built-in model): arithmetic, tool calling, vision")
     ev.add_argument("model", nargs="?", default=None)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-import kestrel.engine.engine as engine_module
+import kestrel.engine.capacity as capacity_module
 from kestrel import LLM, SamplingParams
 from kestrel.cache.kv_pool import QuantizedKVStorage, kv_bytes_per_token
 from kestrel.cli import main
@@ -172,7 +172,7 @@ def test_engine_capacity_equals_kestrel_plan_per_format(tiny_checkpoints, monkey
         flags = ["--gpus", "1", "--tp", "1", "--gpu-mem-gib", "0.02", "--mem-fraction", "1", "--kv-format", fmt]
         assert main(["plan", path, *flags, "--max-running-requests", "4", "--json"]) == 0
         p = json.loads(capsys.readouterr().out)
-        monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device, free=p["free_bytes_per_rank"]: free)
+        monkeypatch.setattr(capacity_module, "free_memory_bytes", lambda device, free=p["free_bytes_per_rank"]: free)
         llm = LLM(path, kv_cache_dtype=fmt, mem_fraction=1.0, page_size=1, max_running_requests=4096)
         assert llm.engine.kv_bytes_per_token == p["kv_bytes_per_token_per_rank"]
         capacity[fmt] = llm.engine.pages.num_pages

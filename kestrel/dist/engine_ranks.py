@@ -37,7 +37,7 @@ def follow_engine(config, groups: Groups) -> None:
     """Ranks > 0: load this rank's shard, size the pools as rank 0 says, then run its steps until it stops."""
     from kestrel.dist.runner import DistModelRunner
     from kestrel.dist.tensor_parallel import load_sharded_model
-    from kestrel.engine.engine import DTYPES, resolve_device
+    from kestrel.engine.capacity import DTYPES, resolve_device
     from kestrel.models.builtin import builtin_model_path
 
     device = resolve_device(config.device)
@@ -70,7 +70,7 @@ def run_engine(config, main: Callable[[], T]) -> T | None:
     if layout.world == 1:
         return main()
     from kestrel.config import load_model_config
-    from kestrel.engine.engine import resolve_device
+    from kestrel.engine.capacity import resolve_device
     from kestrel.models.builtin import builtin_model_path
 
     layout.validate(load_model_config(config.model or builtin_model_path()))  # one clear error before any spawn

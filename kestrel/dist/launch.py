@@ -102,11 +102,14 @@ def run_ranks(
     nnodes: int = 1,
     node_rank: int = 0,
     init_addr: str | None = None,
+    followers_finish: bool = False,
 ) -> T | None:
     """Run rank 0's `main` here and `follow` on every other rank; returns main's result (None off rank 0).
 
     Under torchrun this process is one rank; otherwise this machine's share of the ranks is spawned, rank 0 (on
-    node 0) staying in this process.
+    node 0) staying in this process. `followers_finish`: a follower that returns (exit code 0) is done, not dead
+    (training, where every rank runs the same loop and may end before rank 0 has saved); serving followers only
+    return when rank 0 stops them, so there any exit while the job runs is a failure.
     """
     env = torchrun_env()
     if env is not None:
@@ -142,7 +145,8 @@ def run_ranks(
         return None
     stop = threading.Event()
     _FAILED.clear()
-    watcher = threading.Thread(target=_watch, args=(ctx, stop), name="kestrel-rank-watch", daemon=True)
+    watch_args = (ctx, stop, followers_finish)
+    watcher = threading.Thread(target=_watch, args=watch_args, name="kestrel-rank-watch", daemon=True)
     watcher.start()
     try:
         groups = init_rank(layout, 0, init_addr, device, timeout_s)
@@ -159,11 +163,12 @@ def run_ranks(
     return result
 
 
-def _watch(ctx, stop: threading.Event) -> None:
-    """Rank 0's watch over its spawned ranks: one that exits while the job runs ends the job with an error."""
+def _watch(ctx, stop: threading.Event, clean_exit_ok: bool = False) -> None:
+    """Rank 0's watch over its spawned ranks: one that exits while the job runs ends the job with an error (with
+    `clean_exit_ok`, one that exits with code 0 has finished)."""
     while not stop.wait(0.2):
         for i, p in enumerate(ctx.processes):
-            if p.exitcode is not None and not stop.is_set():
+            if p.exitcode is not None and not stop.is_set() and not (clean_exit_ok and p.exitcode == 0):
                 for q in ctx.processes:
                     if q.is_alive():
                         q.kill()

@@ -8,10 +8,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import os
 import threading
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,8 +18,7 @@ from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import PageAllocator, kv_bytes_per_token
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
-from kestrel.cache.records import record_bytes_per_token
-from kestrel.cache.state_pool import SlotAllocator, state_bytes_per_slot
+from kestrel.cache.state_pool import SlotAllocator
 from kestrel.disagg.messages import FirstToken
 from kestrel.disagg.role import BootstrapTarget, TransferRecord, build_role
 from kestrel.dist.dp_scheduler import dp_scheduling
@@ -29,16 +26,19 @@ from kestrel.dist.engine_ranks import engine_groups
 from kestrel.dist.pp import stage_configs
 from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
+from kestrel.engine.capacity import DTYPES, num_kv_pages, num_state_slots, resolve_device
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.encoder_cache import EncoderCache
 from kestrel.engine.grammar import GrammarBackend, new_matcher
 from kestrel.engine.lora_registry import AdapterRegistry, AdapterVersion, started
 from kestrel.engine.model_runner import ModelRunner
+from kestrel.engine.outputs import CompletionOutput, RequestOutput, StepResult, request_output
 from kestrel.engine.request import Request
 from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import SchedulePlan, Scheduler
+from kestrel.engine.stop_rules import stop_reason
 from kestrel.engine.weight_sync import reload_weights, restart
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
@@ -49,65 +49,9 @@ from kestrel.spec.draft import load_spec_draft
 from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
 
+__all__ = ["CompletionOutput", "DTYPES", "Engine", "RequestOutput", "StepResult", "model_fingerprint", "resolve_device"]
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 32768
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Free device memory (CUDA) or available RAM (CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[float] | None = None
-    top_logprobs: list | None = None
-    cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
-    error: str | None = None
-    error_status: int = 400  # HTTP status of `error` (5xx: a peer worker failed, not the request)
-    spec_accept_length: float | None = None  # mean tokens committed per verify block (speculative decoding)
-    spec_verify_ct: int = 0  # verify blocks the sequence went through
-    # Rollout capture, one row per token that went through the model (prompt + outputs but the last), int32:
-    routed_experts: torch.Tensor | None = None  # [tokens, MoE layers, top_k] expert ids
-    indexer_topk: torch.Tensor | None = None  # [tokens, DSA layers, index_topk] positions, ascending, -1 padded
-    weight_version: str | None = None  # the weights it ran on (None: never scheduled)
-    lora_version: str | None = None  # its adapter's version tag and checksum (None: the base, or never scheduled)
-    lora_checksum: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    finished: bool = False
-
-
-@dataclass
-class StepResult:
-    """What one step changed: requests that got a token or finished (streaming reads their new output) and the
-    outputs of request groups that finished."""
-
-    advanced: list[Request] = field(default_factory=list)
-    finished: list[RequestOutput] = field(default_factory=list)
-    transfers: list[TransferRecord] = field(default_factory=list)  # KV transfers that ended (disaggregation)
 
 
 class Engine:
@@ -135,13 +79,15 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        num_slots = self._num_slots()
+        num_slots = num_state_slots(config, cfg)
         # Per rank: DCP shards every page's tokens; pipeline stages hold their layers' pools only (the fullest one
         # bounds the pool every stage allocates).
         views = [cfg] if self.groups is None else stage_configs(cfg, self.groups.layout)
         kv_dtype, kv_format = DTYPES[config.dtype], config.kv_cache_dtype
         self.kv_bytes_per_token = max(kv_bytes_per_token(v, kv_dtype, kv_format) for v in views) // config.dcp
-        num_pages = self._num_pages(num_slots)
+        num_pages = num_kv_pages(
+            config, cfg, self.model.cfg, self.device, self.kv_bytes_per_token, num_slots, self.max_model_len
+        )
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers
         compile_max_bs = 0
@@ -227,40 +173,6 @@ class Engine:
             self.max_model_len,
             self.device,
         )
-
-    def _num_slots(self) -> int:
-        """KDA state slots: one per running request, plus (prefix cache) a tail slot each and checkpoints."""
-        config = self.config
-        if not self.model_config.kda_layers:
-            return 0
-        # Snapshot rollback borrows B-1 slots per verify block (ReplaySSM needs none).
-        spec = 0
-        if config.speculative_algorithm and not config.enable_linear_replayssm_spec:
-            spec = (config.speculative_num_draft_tokens - 1) * config.max_running_requests
-        if not config.enable_prefix_caching:
-            return config.max_running_requests + spec
-        checkpoints = config.max_state_checkpoints
-        if checkpoints is None:
-            checkpoints = 2 * config.max_running_requests
-        return 2 * config.max_running_requests + checkpoints + spec
-
-    def _num_pages(self, num_slots: int) -> int:
-        config = self.config
-        if config.max_total_tokens is not None:
-            tokens = config.max_total_tokens
-        else:
-            per_token = max(self.kv_bytes_per_token, 1)
-            if self.device.type == "cpu":  # rollout records live in host memory, which is this device's
-                per_token += record_bytes_per_token(
-                    self.model_config, config.enable_return_routed_experts, config.enable_return_indexer_topk
-                )
-            budget = free_memory_bytes(self.device) * config.mem_fraction
-            budget -= num_slots * state_bytes_per_slot(self.model.cfg, DTYPES[config.dtype])  # this rank's heads
-            tokens = int(budget // per_token)
-            tokens = min(tokens, config.max_running_requests * self.max_model_len)
-        if tokens < config.page_size:
-            raise ValueError(f"KV pool too small: {tokens} tokens (max_total_tokens / mem_fraction)")
-        return -(-tokens // config.page_size)
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -543,7 +455,7 @@ class Engine:
     def _append_token(self, req: Request, token: int, logprob: float, top: list | None) -> bool:
         """Append one output token and apply the stop rules; True if that finished the request."""
         self._record_token(req, token, logprob, top)
-        reason = self._stop_reason(req, token)
+        reason = stop_reason(req, token, self.eos_token_ids)
         if reason is None:
             return False
         self._read_records(req)
@@ -558,23 +470,6 @@ class Engine:
         if req.params.logprobs is not None:
             req.logprobs.append(logprob)
             req.top_logprobs.append(top)
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        params = req.params
-        if req.detokenizer is not None:
-            req.output_text += req.detokenizer.push(token)
-            if req.detokenizer.stopped:
-                return "stop"
-        # The grammar ends the request once it is complete (it accepted eos); it rejects a token only when the
-        # other rules (min_tokens, logit_bias) left its row nothing it allows, and then it cannot go on.
-        if req.matcher is not None and (not req.matcher.accept_token(token) or req.matcher.is_terminated()):
-            return "stop"
-        if len(req.output_ids) >= params.min_tokens:
-            if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-                return "stop"
-        if len(req.output_ids) >= params.max_tokens:
-            return "length"
-        return None
 
     def _record_prompt_logprobs(self, plan: SchedulePlan, prompt_logits: dict) -> None:
         for i, logits in prompt_logits.items():
@@ -593,37 +488,8 @@ class Engine:
             if group is None or not all(r.is_finished for r in group):
                 continue
             del self._groups[rid]
-            outputs.append(self.make_output(group))
+            outputs.append(request_output(group))
         return outputs
-
-    def make_output(self, group: list[Request]) -> RequestOutput:
-        first = group[0]
-        out = RequestOutput(first.request_id, first.prompt_ids, finished=all(r.is_finished for r in group))
-        out.prompt_logprobs = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
-        for i, req in enumerate(group):
-            with_lp = req.params.logprobs is not None
-            out.outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=req.output_text,
-                    token_ids=list(req.output_ids),
-                    finish_reason=req.finish_reason,
-                    logprobs=list(req.logprobs) if with_lp else None,
-                    top_logprobs=list(req.top_logprobs) if with_lp else None,
-                    cached_tokens=req.cached_tokens,
-                    cached_tokens_by_tier=dict(req.cache_hits),
-                    error=req.error,
-                    error_status=req.error_status,
-                    spec_accept_length=req.spec.mean_accept_length if req.spec is not None else None,
-                    spec_verify_ct=len(req.spec.accept_lengths) if req.spec is not None else 0,
-                    routed_experts=req.routed_experts,
-                    indexer_topk=req.indexer_topk,
-                    weight_version=req.weight_version,
-                    lora_version=req.lora_version,
-                    lora_checksum=req.lora_checksum,
-                )
-            )
-        return out
 
     def stats(self) -> dict[str, int]:
         """Counts; pages and slots the prefix cache could evict at once are reported apart from "used"."""

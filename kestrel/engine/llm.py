@@ -7,7 +7,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kestrel.engine.config import EngineConfig
-from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.engine.engine import Engine
+from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.vision.inputs import expand_placeholders
 from kestrel.models.vision.preprocess import ProcessedImage, preprocess_image

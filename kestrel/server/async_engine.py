@@ -20,77 +20,25 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kestrel.disagg.role import BootstrapTarget
-from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.engine.engine import Engine
 from kestrel.engine.grammar import GrammarBackend
+from kestrel.engine.outputs import RequestOutput, request_output
 from kestrel.engine.request import Request
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.loader import check_checkpoint
+from kestrel.server.engine_events import EngineStopped, NeverFits, QueueFull, RequestStream, SeqDelta, StreamEvent
 from kestrel.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SeqDelta:
-    """New output of one sequence (choice `index` of its request) since the previous event."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    finish_reason: str | None = None
-    reset: bool = False  # the sequence was retracted: forget what earlier events sent, this one starts over
-    weight_version: str | None = None
-    lora_version: str | None = None
-    lora_checksum: str | None = None
-
-
-@dataclass
-class StreamEvent:
-    """What one engine step produced for one request; `output` or `error` ends the stream."""
-
-    request_id: str
-    deltas: list[SeqDelta] = field(default_factory=list)
-    output: RequestOutput | None = None
-    error: str | None = None
-    status: int = 400  # HTTP status for `error`: 400 the request was refused, 500 the engine failed
-
-    @property
-    def done(self) -> bool:
-        return self.output is not None or self.error is not None
-
-
-class QueueFull(Exception):
-    """More requests are queued than --max-queued-requests allows."""
-
-
-class NeverFits(Exception):
-    """A request has more sequences than the running slots and the queue hold together, even on an idle server."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class EngineStopped(Exception):
-    """The engine thread has stopped; no more requests are accepted."""
-
-
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass
-class RequestStream:
-    request_id: str
-    num_prompt_tokens: int
-    queue: asyncio.Queue
 
 
 @dataclass
@@ -545,7 +493,7 @@ class AsyncEngine:
         if track is None:
             return
         self._engine.abort(rid)
-        self._collect(track.requests, [self._engine.make_output(track.requests)], out)
+        self._collect(track.requests, [request_output(track.requests)], out)
 
     def _abort_all(self, out: list, message: str, status: int) -> None:
         for cmd in self._held:

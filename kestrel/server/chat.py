@@ -24,9 +24,9 @@ from kestrel.chat_template import (
     THINK_BEGIN,
     render_chat,
 )
-from kestrel.engine.engine import RequestOutput
+from kestrel.engine.outputs import RequestOutput
 from kestrel.models.vision.inputs import expand_placeholders
-from kestrel.server.async_engine import SeqDelta
+from kestrel.server.engine_events import SeqDelta
 from kestrel.server.errors import APIError, error_body
 from kestrel.server.protocol import ChatCompletionRequest, ImagePart, MediaPart
 from kestrel.server.reasoning import ReasoningParser

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
-from kestrel.server.async_engine import SeqDelta
+from kestrel.server.engine_events import SeqDelta
 from kestrel.server.errors import APIError, error_body
 from kestrel.server.protocol import CompletionRequest
 from kestrel.server.serving import (

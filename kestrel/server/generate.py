@@ -20,8 +20,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
-from kestrel.engine.engine import CompletionOutput
-from kestrel.server.async_engine import SeqDelta, StreamEvent
+from kestrel.engine.outputs import CompletionOutput
+from kestrel.server.engine_events import SeqDelta, StreamEvent
 from kestrel.server.errors import APIError, error_body
 from kestrel.server.protocol import AbortRequest, GenerateRequest
 from kestrel.server.serving import SSE_DONE, Generation, ServingContext, SSEResponse, event_error, make_params, sse

@@ -15,10 +15,11 @@ from starlette.types import Receive, Scope, Send
 from tokenizers import decoders
 
 from kestrel.disagg.role import BootstrapTarget
-from kestrel.engine.engine import RequestOutput
+from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.vision.preprocess import ProcessedImage
-from kestrel.server.async_engine import AsyncEngine, EngineStopped, NeverFits, QueueFull, StreamEvent
+from kestrel.server.async_engine import AsyncEngine
+from kestrel.server.engine_events import EngineStopped, NeverFits, QueueFull, StreamEvent
 from kestrel.server.errors import APIError, ClientDisconnected
 from kestrel.server.media import MediaLoader
 from kestrel.server.protocol import ResponseFormat

@@ -19,7 +19,7 @@ from kestrel.disagg.role import FAKE_BOOTSTRAP_HOST, BootstrapTarget
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.builtin import builtin_model_path
 from kestrel.server.args import ServerConfig
-from kestrel.server.async_engine import EngineStopped
+from kestrel.server.engine_events import EngineStopped
 from kestrel.server.errors import APIError
 from kestrel.server.protocol import LoadLoRARequest, UnloadLoRARequest
 from kestrel.server.serving import Generation, ServingContext

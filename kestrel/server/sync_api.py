@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from kestrel.server.async_engine import EngineStopped
+from kestrel.server.engine_events import EngineStopped
 from kestrel.server.errors import error_body
 from kestrel.server.protocol import (
     ContinueGenerationRequest,

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.train.grpo import ClipConfig
+from kestrel.train.rl import RLConfig
+from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, TaskMix
 from kestrel.train.sft import SFTConfig
 
 
@@ -204,5 +207,56 @@ VISION_STAGES = {
         VisionMix(episodes=64, hidden=32, layers=1, heads=2, intermediate=64),
         eval_episodes=8,
         sft=SFTConfig(steps=4, batch_size=4, lr=2e-3, warmup_steps=1, eval_every=4, save_every=2, freeze_text=True),
+    ),
+}
+
+
+@dataclass
+class RLRecipe:
+    """A GRPO run: its tasks, its settings, and the base it adapts (None: the embedded kestrel-mini)."""
+
+    name: str
+    tasks: TaskMix
+    config: RLConfig
+    model: str | None = None
+
+
+RL_RECIPES = {
+    # The shipped adapter: `kestrel rl --recipe mini --ship`, within 40 minutes on 2 CPU cores.
+    "mini": RLRecipe(
+        "mini",
+        MINI_TASKS,
+        RLConfig(
+            steps=40,
+            prompts_per_step=16,
+            samples_per_prompt=8,
+            minibatches=2,
+            max_new_tokens=160,
+            lr=5e-4,
+            clip=ClipConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0),
+            eval_every=10,
+            eval_n=25,
+            max_minutes=34,
+        ),
+    ),
+    # Seconds-scale run of the same loop on any checkpoint (tests, smoke runs): reward = mostly even token ids.
+    "tiny": RLRecipe(
+        "tiny",
+        PARITY_TASKS,
+        RLConfig(
+            steps=3,
+            prompts_per_step=4,
+            samples_per_prompt=4,
+            minibatches=2,
+            max_new_tokens=8,
+            lr=2e-2,
+            clip=ClipConfig(kl_coef=0.05),  # exercises the reference pass (the base: the adapter switched off)
+            lora_rank=4,
+            lora_alpha=8.0,
+            lora_targets=("q_proj", "o_proj", "gate_proj"),
+            eval_every=2,
+            eval_n=2,
+            save_every=1,
+        ),
     ),
 }

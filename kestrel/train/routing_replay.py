@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kestrel.config import ModelConfig
-from kestrel.engine.engine import CompletionOutput
+from kestrel.engine.outputs import CompletionOutput
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 

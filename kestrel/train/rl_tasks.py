@@ -1,0 +1,163 @@
+"""What GRPO trains on: prompts drawn from weighted tasks, each with a verifiable reward, and the held-out questions
+its accuracy is measured on.
+
+A `Task` makes training episodes (the SFT generator's training stream, never the held-out one) and says whether a
+completion is right; the reward is 1.0 for right, 0.0 otherwise. The mini recipe's tasks reuse the evaluation's
+parsers (`kestrel.train.evaluate`): the exact tool name and JSON arguments, the exact final arithmetic answer. The
+held-out questions are the evaluation's own cases, asked greedily through the rollout engine with the adapter.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from tokenizers import Tokenizer
+
+from kestrel.train import evaluate
+from kestrel.train.data import Episode, arithmetic_episode, tool_episode
+
+Correct = Callable[[Episode, str], bool]  # (episode, completion text) -> right?
+Reward = Callable[[Episode, str, list[int]], float]  # (episode, completion text, completion token ids) -> reward
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One RL prompt: its token ids, the episode it came from (what the reward checks), and its task's name."""
+
+    ids: list[int]
+    episode: Episode
+    task: str
+
+
+@dataclass(frozen=True)
+class Task:
+    """One kind of RL prompt: `make(rng)` draws a training episode, `reward` scores one sampled completion."""
+
+    name: str
+    weight: float
+    make: Callable[[random.Random], Episode]
+    reward: Reward
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Held-out questions: `cases(n)` gives (category, episode) pairs, `correct` checks one answer."""
+
+    name: str
+    cases: Callable[[int], list[tuple[str, Episode]]]
+    correct: Correct
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class TaskMix:
+    """The tasks of a recipe (drawn by weight) and the held-out evaluations its accuracy is reported on."""
+
+    tasks: tuple[Task, ...]
+    held_out: tuple[HeldOut, ...] = ()
+
+    def task(self, name: str) -> Task:
+        return next(t for t in self.tasks if t.name == name)
+
+    def sample(self, rng: random.Random, n: int, tok: Tokenizer) -> list[Prompt]:
+        """n prompts drawn by weight from one seeded stream (the same on every rank)."""
+        weights = [t.weight for t in self.tasks]
+        out = []
+        for _ in range(n):
+            task = rng.choices(self.tasks, weights)[0]
+            ep = task.make(rng)
+            out.append(Prompt(tok.encode(evaluate.prompt_text(ep)).ids, ep, task.name))
+        return out
+
+    def held_out_prompts(self, n: int, tok: Tokenizer) -> list[tuple[str, Prompt, Correct, int]]:
+        """(category key, prompt, check, token budget) for n questions per category of every held-out evaluation."""
+        out = []
+        for h in self.held_out:
+            for key, ep in h.cases(n):
+                prompt = Prompt(tok.encode(evaluate.prompt_text(ep)).ids, ep, h.name)
+                out.append((f"{h.name}/{key}", prompt, h.correct, h.max_new_tokens))
+        return out
+
+
+def score(keys: Sequence[str], right: Sequence[bool]) -> dict[str, float]:
+    """Accuracy per key."""
+    totals: dict[str, list[int]] = {}
+    for key, ok in zip(keys, right):
+        totals.setdefault(key, []).append(int(ok))
+    return {key: sum(v) / len(v) for key, v in sorted(totals.items())}
+
+
+# -- the mini recipe's tasks (module-level functions and partials: spawned ranks unpickle the mix) ---------------------
+def arithmetic_prompt(op: str, digits: int | None, rng: random.Random) -> Episode:
+    """A training arithmetic question, asked with the worked trace (reasoning effort high) the reward can improve."""
+    ep = arithmetic_episode(rng, op, digits)
+    ep.reasoning_effort = "high"
+    return ep
+
+
+def tool_prompt(rng: random.Random) -> Episode:
+    return tool_episode(rng)
+
+
+def exact_answer(ep: Episode, text: str, ids: list[int]) -> float:
+    """1.0 when the final integer after </think> is the episode's answer."""
+    return float(evaluate.arithmetic_correct(ep, text))
+
+
+def exact_tool_call(ep: Episode, text: str, ids: list[int]) -> float:
+    """1.0 for exactly one call of the expected tool with exactly the expected JSON arguments."""
+    return float(evaluate.tool_call_correct(ep, text))
+
+
+def held_out_arithmetic(n: int) -> list[tuple[str, Episode]]:
+    """The evaluation's arithmetic cases, asked with the worked trace as `kestrel eval` does."""
+    cases = evaluate.arithmetic_cases(n)
+    for _, ep in cases:
+        ep.reasoning_effort = "high"
+    return cases
+
+
+MINI_TASKS = TaskMix(
+    tasks=(
+        Task("sub", 1.0, partial(arithmetic_prompt, "sub", None), exact_answer),
+        Task("mul", 1.0, partial(arithmetic_prompt, "mul", None), exact_answer),
+        Task("pct", 1.0, partial(arithmetic_prompt, "pct", None), exact_answer),
+        Task("add2", 0.5, partial(arithmetic_prompt, "add", 2), exact_answer),
+        Task("tools", 1.5, tool_prompt, exact_tool_call),
+    ),
+    held_out=(
+        HeldOut("arithmetic", held_out_arithmetic, evaluate.arithmetic_correct, 160),
+        HeldOut("tools", evaluate.tool_cases, evaluate.tool_call_correct, 96),
+    ),
+)
+
+
+# -- a task any random checkpoint can learn: seconds-scale runs of the real loop (tests, smoke runs) ---------------
+PARITY_QUESTIONS = ("Say something.", "Go on.", "Tell me more.", "Continue.", "Hello?", "Talk to me.")
+
+
+def parity_prompt(rng: random.Random) -> Episode:
+    return Episode("parity", [{"role": "user", "content": rng.choice(PARITY_QUESTIONS)}])
+
+
+def mostly_even(ep: Episode, text: str, ids: list[int]) -> float:
+    """1.0 when most sampled token ids are even."""
+    return float(2 * sum(t % 2 == 0 for t in ids) > len(ids))
+
+
+def parity_cases(n: int) -> list[tuple[str, Episode]]:
+    return [("parity", parity_prompt(random.Random(HELD_OUT_PARITY_SEED + i))) for i in range(n)]
+
+
+def nonempty(ep: Episode, text: str) -> bool:
+    return bool(text)
+
+
+HELD_OUT_PARITY_SEED = 77_000
+PARITY_TASKS = TaskMix(
+    tasks=(Task("parity", 1.0, parity_prompt, mostly_even),),
+    held_out=(HeldOut("parity", parity_cases, nonempty, 4),),
+)

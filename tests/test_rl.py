@@ -1,0 +1,311 @@
+"""GRPO (`kestrel rl`): its arithmetic against hand-computed values, rewards through the evaluation's parsers, and the
+real loop on a tiny kimi_k3 — a `kestrel serve` subprocess, rollouts over HTTP with routing capture, replay in the
+trainer, the adapter upserted after every step: logprobs bit-identical at every step, rollouts on the version just
+pushed, a resumed run equal to an uninterrupted one, two data-parallel ranks equal to one, a dead rank stops the job."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import spawn_ranks
+
+from kestrel.chat_template import render_tool_calls
+from kestrel.cli import main
+from kestrel.config import ConfigError, load_model_config
+from kestrel.dist.groups import ParallelLayout, single_groups
+from kestrel.dist.launch import RankFailure, free_port
+from kestrel.models.checkpoint import make_model
+from kestrel.models.loader import load_model
+from kestrel.models.lora import load_peft
+from kestrel.spec.draft import weights_sha256
+from kestrel.train.data import arithmetic_episode, tool_episode
+from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
+from kestrel.train.recipes import RL_RECIPES
+from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
+from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
+from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
+from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum
+from kestrel.train.routing_replay import sequence_logprobs
+
+TINY = RL_RECIPES["tiny"]
+
+
+# -- the arithmetic -------------------------------------------------------------------------------------------------
+def test_group_advantages_and_the_zero_variance_filter_match_hand_values():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    adv = group_advantages(rewards)
+    s = 1 / math.sqrt(3)  # group 0: mean 1/2, unbiased std sqrt(1/3)
+    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / s, atol=1e-5)
+    assert torch.equal(adv[1], torch.zeros(4))  # all equal: no signal
+    assert torch.allclose(adv[2], torch.tensor([-0.5, -0.5, -0.5, 1.5]), atol=1e-5)  # mean 1/4, std 1/2
+    assert informative_groups(rewards).tolist() == [True, False, True]
+
+
+def test_policy_loss_clips_low_and_high_separately_and_truncates_importance_weights():
+    cfg = ClipConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    ratio = torch.tensor([1.5, 0.5, 1.1, 0.5])  # π_θ / π_old
+    adv = torch.tensor([1.0, -1.0, 2.0, 1.0])
+    old = torch.tensor([-1.0, -2.0, -0.5, -1.5])
+    rollout = old - torch.log(torch.tensor([3.0, 1.0, 0.5, 1.0]))  # π_old / π_rollout = 3 (capped to 2), 1, 0.5, 1
+    logp = (old + ratio.log()).requires_grad_()
+    terms = policy_loss(logp, old, rollout, adv, cfg)
+    # Token by token: 1.5 > 1 + 0.28 with A > 0 -> clipped at 1.28; 0.5 < 1 - 0.2 with A < 0 -> clipped at 0.8;
+    # 1.1 inside; 0.5 with A > 0 is not clipped (PPO only stops moves that help). Weights 2, 1, 0.5, 1.
+    assert terms.loss.item() == pytest.approx(2 * -1.28 + 1 * 0.8 + 0.5 * -2.2 + 1 * -0.5, abs=1e-5)
+    assert (terms.tokens, terms.clipped, terms.tis_truncated) == (4, 2, 1)
+    assert terms.tis == pytest.approx(4.5, abs=1e-5)
+    assert terms.ppo_kl == pytest.approx(-ratio.log().sum().item(), abs=1e-5)
+    terms.loss.backward()
+    # Clipped tokens pass no gradient; the others: -tis · A · ratio.
+    assert torch.allclose(logp.grad, torch.tensor([0.0, 0.0, -0.5 * 2.0 * 1.1, -1.0 * 1.0 * 0.5]), atol=1e-5)
+
+
+def test_policy_loss_equals_a_token_by_token_ppo_reference():
+    """PPO's own form, -min(r·A, clip(r)·A), one token at a time in float64, against the vectorised loss."""
+    gen = torch.Generator().manual_seed(3)
+    n, cfg = 300, ClipConfig(clip_low=0.1, clip_high=0.3, tis_cap=1.5, kl_coef=0.2)
+    old = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+    logp, rollout, ref = (old + torch.randn(n, generator=gen, dtype=torch.float64) * 0.3 for _ in range(3))
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    total, clipped = 0.0, 0
+    for i in range(n):
+        r, a = math.exp(logp[i] - old[i]), adv[i].item()
+        capped = min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high)
+        clipped += capped * a < r * a
+        weight = min(math.exp(old[i] - rollout[i]), cfg.tis_cap)
+        d = ref[i].item() - logp[i].item()
+        total += weight * -min(r * a, capped * a) + cfg.kl_coef * (math.exp(d) - d - 1)
+    terms = policy_loss(logp, old, rollout, adv, cfg, ref)
+    assert terms.loss.item() == pytest.approx(total, rel=1e-12) and terms.clipped == clipped > 0
+
+
+def test_kl_to_the_reference_is_k3_and_joins_the_loss_with_its_coefficient():
+    logp, ref = torch.tensor([0.0, -1.0]), torch.tensor([math.log(2.0), -1.0])
+    assert torch.allclose(k3(logp, ref), torch.tensor([1 - math.log(2.0), 0.0]), atol=1e-6)
+    zero = torch.zeros(2)
+    with_kl = policy_loss(logp, logp, logp, zero, ClipConfig(kl_coef=0.5), ref)
+    assert with_kl.loss.item() == pytest.approx(0.5 * (1 - math.log(2.0)), abs=1e-6)
+    assert with_kl.ref_k3 == pytest.approx(1 - math.log(2.0), abs=1e-6)
+
+
+def test_rewards_are_exact_final_answers_and_exact_tool_calls():
+    rng = random.Random(5)
+    sub, tools = MINI_TASKS.task("sub"), MINI_TASKS.task("tools")
+    ep = arithmetic_episode(rng, "sub")
+    assert sub.reward(ep, f"<think>... So it is {ep.answer + 1}.</think>The answer is {ep.answer}.", []) == 1.0
+    assert sub.reward(ep, f"<think>So {ep.answer}.</think>The answer is {ep.answer + 1}.", []) == 0.0
+    assert sub.reward(ep, "<think>hmm</think>I do not know.", []) == 0.0
+    ep = tool_episode(rng, city="Lima", tool="get_weather")
+
+    def call(name, args):
+        return {"function": {"name": name, "arguments": json.dumps(args)}}
+
+    right = render_tool_calls([call("get_weather", {"city": "Lima"})])
+    assert tools.reward(ep, "<think>x</think>" + right, []) == 1.0
+    assert tools.reward(ep, render_tool_calls([call("get_weather", {"city": "Oslo"})]), []) == 0.0
+    assert tools.reward(ep, render_tool_calls([call("get_local_time", {"city": "Lima"})]), []) == 0.0
+    twice = render_tool_calls([call("get_weather", {"city": "Lima"})] * 2)
+    assert tools.reward(ep, twice, []) == 0.0
+    assert tools.reward(ep, right.replace('"Lima"}', '"Lima"'), []) == 0.0  # not JSON
+
+
+# -- the loop on a tiny model, against a real engine subprocess -------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_model("kimi_k3", "tiny", tmp_path_factory.mktemp("rl") / "k3", seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny, tmp_path_factory):
+    from kestrel.train.rl import engine_flags
+
+    flags = engine_flags(TINY.config, load_model_config(tiny))
+    with EngineProcess(tiny, flags, tmp_path_factory.mktemp("engine") / "engine.log") as proc:
+        yield proc.url
+    assert proc.returncode == 0 and "Traceback" not in proc.log_path.read_text()  # SIGINT: a clean stop
+
+
+def _job(tiny, engine, out, name, steps=3, tasks=PARITY_TASKS) -> RLJob:
+    config = dataclasses.replace(TINY.config, steps=steps, adapter_name=name)
+    return RLJob(config, tasks, str(out), tiny, [engine], progress=False)
+
+
+def _adapter(out) -> dict[str, torch.Tensor]:
+    weights = load_peft(out / "adapter").weights
+    return {f"{m}.{i}": t for m, ab in weights.items() for i, t in enumerate(ab)}
+
+
+@pytest.fixture(scope="module")
+def three_steps(tiny, engine, tmp_path_factory):
+    out = tmp_path_factory.mktemp("three")
+    job = _job(tiny, engine, out, "straight")
+    return job, train_rank(single_groups(), job), out
+
+
+def test_every_step_has_bit_identical_logprobs_and_rollouts_on_the_adapter_just_pushed(three_steps, engine):
+    job, state, out = three_steps
+    assert [r["step"] for r in state.history] == [1, 2, 3]
+    for i, row in enumerate(state.history):
+        assert row["trained_tokens"] > 0 and 0 < row["kept_groups"] <= 1
+        assert row["train_rollout_logprob_abs_diff"] == 0.0 and row["train_rollout_logprob_abs_diff_max"] == 0.0
+        assert row["train_rollout_k3"] == 0.0 and row["tis_mean"] == 1.0
+        assert row["adapter_version"] == str(i)  # what every rollout's meta_info said (checked in the step)
+        assert row["rollout_tok_per_s"] > 0 and row["train_tok_per_s"] > 0
+    assert any(row["ppo_kl"] != 0.0 for row in state.history)  # the second minibatch ran one step later
+    assert any(row["clip_frac"] > 0 for row in state.history)  # lr 2e-2: some ratios leave [0.8, 1.28]
+    assert all(row["ref_k3"] >= 0 for row in state.history) and state.history[-1]["ref_k3"] > 0  # moved off base
+    assert [h["step"] for h in state.held_out] == [0, 2, 3]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3] and "held_out/parity/parity" in logged[1]
+    assert logged[2]["held_out/parity/parity"] == state.held_out[-1]["parity/parity"]
+    # The engine serves the last version pushed, the bytes of the saved adapter.
+    served = httpx.get(engine + "/get_server_info").json()["lora_adapters"]["straight"]
+    assert (served["lora_version"], served["checksum"]) == ("3", adapter_checksum(out / "adapter"))
+    b = [t for k, t in _adapter(out).items() if k.endswith(".1")]
+    assert max(t.abs().max().item() for t in b) > 0  # B started at zero: the adapter moved
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3 and (out / "rl_curves.png").stat().st_size
+    shipped = ship_adapter(job, state, "tiny", out / "shipped")
+    summary = json.loads((shipped / SUMMARY_FILE).read_text())
+    assert summary["base_sha256"] == weights_sha256(job.model_path) and summary["steps"] == 3
+    assert load_peft(shipped).checksum == adapter_checksum(out / "adapter")
+
+
+def test_a_rollout_on_another_adapter_version_stops_the_step(tiny, engine, tmp_path, three_steps):
+    trainer = GRPOTrainer(_job(tiny, engine, tmp_path, "swapped"), single_groups())
+    trainer.push()
+    other = three_steps[2] / "adapter"  # someone else's adapter upserted under the trainer's name
+    trainer.client.push_adapter("swapped", other, "foreign", adapter_checksum(other))
+    with pytest.raises(RolloutError, match="foreign"):
+        trainer.train_step()
+    trainer.client.close()
+
+
+def test_the_reference_pass_is_the_base_and_the_policy_pass_is_the_engine(tiny, engine, tmp_path, three_steps):
+    shutil.copytree(three_steps[2], tmp_path, dirs_exist_ok=True)  # resumes with the trained adapter
+    trainer = GRPOTrainer(_job(tiny, engine, tmp_path, "probe", steps=4), single_groups())
+    assert trainer.state.step == 3
+    trainer.push()
+    batch = [(r, 0.0) for group in trainer.rollouts(trainer.prompts(3), [0, 1], 3) for r, _ in group]
+    base, _ = load_model(tiny, torch.float32)
+    base.batch_invariant = True
+    base.train()
+    with torch.no_grad():
+        expected = torch.cat(sequence_logprobs(base, [r for r, _ in batch]))
+        ref, policy = trainer._reference(batch), trainer._logprobs(batch)
+    trainer.client.close()
+    assert torch.equal(ref, expected)  # the adapter switched off: exactly the base
+    engine_lp = torch.tensor([lp for r, _ in batch for lp in r.logprobs], dtype=policy.dtype)
+    assert torch.equal(policy, engine_lp) and not torch.equal(policy, ref)  # the adapter is on, as on the engine
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny, engine, tmp_path, three_steps):
+    _, straight, straight_out = three_steps
+    first = train_rank(single_groups(), _job(tiny, engine, tmp_path, "resumed", steps=2))
+    assert [r["step"] for r in first.history] == [1, 2]
+    state = train_rank(single_groups(), _job(tiny, engine, tmp_path, "resumed", steps=3))
+    assert [r["step"] for r in state.history] == [1, 2, 3] and state.step == 3  # the count went on from 2
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert [r["reward"] for r in state.history] == [r["reward"] for r in straight.history]
+    mine, ref = _adapter(tmp_path), _adapter(straight_out)
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+def test_two_data_parallel_ranks_train_the_adapter_one_rank_does(tiny, engine, tmp_path, three_steps):
+    _, straight, straight_out = three_steps
+    (state, _) = spawn_ranks(train_rank, ParallelLayout(tp=2), _job(tiny, engine, tmp_path, "dp2"))
+    assert [r["reward"] for r in state.history] == [r["reward"] for r in straight.history]
+    assert all(row["train_rollout_logprob_abs_diff_max"] == 0.0 for row in state.history)
+    # The all-reduced gradients are one rank's summed in another order: fp32 rounding (a missing all-reduce or a
+    # rank-local token mean would change their norm by ~2x).
+    for two, one in zip(state.history, straight.history):
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    # AdamW's m / sqrt(v) magnifies that rounding where a gradient is near zero: after 6 updates at lr 2e-2 the
+    # adapters agree to 5e-5 (of weights up to 0.25); a wrong gradient moves them by ~lr per update.
+    mine, ref = _adapter(tmp_path), _adapter(straight_out)
+    worst = max((mine[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst <= TINY.config.lr / 40, worst
+
+
+def dies_on_rank_one(ep, text, ids) -> float:
+    """A reward that kills data-parallel rank 1 (a rank crashing mid-step)."""
+    if dist.is_initialized() and dist.get_rank() == 1:
+        os._exit(3)
+    return mostly_even(ep, text, ids)
+
+
+def test_a_rank_that_dies_stops_the_job(tiny, engine, tmp_path):
+    tasks = TaskMix((Task("parity", 1.0, parity_prompt, dies_on_rank_one),))
+    start = time.monotonic()
+    with pytest.raises((RankFailure, RuntimeError)):
+        run_rl(_job(tiny, engine, tmp_path, "dying", tasks=tasks), nproc=2, dist_timeout=30)
+    assert time.monotonic() - start < 60
+
+
+def test_cli_rl_starts_its_own_engine_trains_on_two_ranks_and_stops_it(tiny, tmp_path, capsys):
+    out = tmp_path / "cli"
+    # --nproc 2: the launcher's ranks; rank 1's loop ends while rank 0 still saves, which is a finish, not a death.
+    assert main(["rl", "--recipe", "tiny", "--model", tiny, "--steps", "1", "--nproc", "2", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.split("\nadapter: ")[0])
+    assert summary["steps"] == 1 and summary["train_rollout_logprob_abs_diff_max"] == 0.0
+    log = (out / "engine.log").read_text()
+    assert "Finished server process" in log and "Traceback" not in log  # stopped cleanly (SIGINT)
+    assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "trainer_state.pt").exists()
+
+
+def test_cli_rl_trains_against_the_engines_it_is_given(tiny, engine, tmp_path, capsys):
+    out = tmp_path / "given"
+    argv = ["rl", "--recipe", "tiny", "--model", tiny, "--rollout-url", engine, "--out", str(out), "--steps", "1"]
+    assert main([*argv, "--eval-every", "0", "--kl-coef", "0", "--samples-per-prompt", "3"]) == 0
+    saved = json.loads((out / "rl_config.json").read_text())
+    assert (saved["steps"], saved["eval_every"], saved["samples_per_prompt"], saved["clip"]["kl_coef"]) == (1, 0, 3, 0)
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["ref_k3"] is None and row["train_rollout_logprob_abs_diff"] == 0.0
+    assert not (out / "engine.log").exists()  # no engine of its own
+
+
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        ({"samples_per_prompt": 1}, "samples_per_prompt"),
+        ({"minibatches": 5}, "minibatches"),
+        ({"lr": 0.0}, "lr"),
+        ({"clip": ClipConfig(clip_low=1.0)}, "clip.clip_low"),
+        ({"clip": ClipConfig(tis_cap=0.5)}, "clip.tis_cap"),
+        ({"clip": ClipConfig(kl_coef=-1.0)}, "clip.kl_coef"),
+        ({"lora_targets": ()}, "lora_targets"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(change, name):
+    with pytest.raises(ConfigError, match=f"'{re.escape(name)}'"):
+        check_config(dataclasses.replace(TINY.config, **change))
+
+
+def test_cli_rl_refuses_bad_options_before_starting_an_engine(tiny, tmp_path, capsys):
+    out = tmp_path / "bad"
+    base = ["rl", "--recipe", "tiny", "--model", tiny, "--out", str(out)]
+    for argv, named in [
+        (["--samples-per-prompt", "1"], "'samples_per_prompt'"),
+        (["--clip-low", "1.5"], "'clip.clip_low'"),
+        (["--nproc", "0"], "nproc"),
+        (["--nproc", "5"], "nproc"),
+        (["--rollout-url", "localhost:30000"], "--rollout-url"),
+        (["--device", "cuda:7"], "device"),
+    ]:
+        assert main(base + argv) == 2, argv
+        assert named in capsys.readouterr().err, argv
+    assert not (out / "engine.log").exists()
+    # An engine that does not answer: the URL named, exit 1, no traceback.
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    assert main([*base, "--rollout-url", nowhere, "--steps", "1"]) == 1
+    assert nowhere in capsys.readouterr().err
