@@ -294,6 +294,17 @@ def random_draft(target: CausalLM, seed: int = 0, std: float = 0.02, **overrides
 EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "kestrel-mini-dflash"
 
 
+def weights_sha256(path: str | Path) -> str:
+    """sha256 over the checkpoint's safetensors files (sorted by name), every tensor included."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
 def text_weights_sha256(path: str | Path) -> str:
     """sha256 over the language-model tensors of a checkpoint (name, dtype, shape, bytes; vision tower and projector
     left out): what a draft reads (hidden states, embedding, LM head). A tower added to a text model keeps the
