@@ -16,7 +16,7 @@ from kestrel.engine.config import EngineConfig
 from kestrel.models.presets import FAMILIES
 from kestrel.quant.kv_formats import KV_CACHE_DTYPES
 from kestrel.server.args import add_server_args
-from kestrel.train.recipes import RECIPES
+from kestrel.train.recipes import RECIPES, VISION_STAGES
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -174,6 +174,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.mode == "dflash":
         return cmd_train_dflash(args)
+    if args.mode == "vision":
+        return cmd_train_vision(args)
     from kestrel.train.run import run_sft
 
     args.out = args.out or "out/sft-mini"
@@ -195,6 +197,19 @@ def cmd_train_dflash(args: argparse.Namespace) -> int:
         f"answers); held-out acceptance length {state.eval_accept[-1][1]:.3f} at block {trainer.cfg.eval_block}"
     )
     print(f"draft: {out / 'checkpoint'}; loss curve: {out / 'loss_curve.png'}")
+    return 0
+
+
+def cmd_train_vision(args: argparse.Namespace) -> int:
+    from kestrel.train.vision_stage import run_vision_stage
+
+    out = Path(args.out or "out/vision-mini")
+    trainer = run_vision_stage(
+        args.stage, args.base, out, steps=args.steps, max_minutes=args.max_minutes, ship=args.ship
+    )
+    state = trainer.state
+    print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
+    print(f"checkpoint: {out / 'checkpoint'}; loss curve: {out / 'loss_curve.png'}")
     return 0
 
 
@@ -369,12 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
     tr = add_command(
-        sub, "train", "sft: SFT on synthetic chat episodes; dflash: distil a speculative block draft for --target"
+        sub,
+        "train",
+        "sft: SFT on synthetic chat episodes; dflash: distil a speculative block draft for --target; "
+        "vision: train a vision tower against the frozen text model --base (LLaVA stage 1)",
     )
-    tr.add_argument("mode", choices=["sft", "dflash"])
+    tr.add_argument("mode", choices=["sft", "dflash", "vision"])
     tr.add_argument("--recipe", default="mini", choices=list(RECIPES), help="sft recipe")
     tr.add_argument("--target", default="kestrel-mini", help="dflash: target model (kestrel-mini or a folder)")
-    tr.add_argument("--out", default=None, help="default: out/sft-mini or out/dflash-mini")
+    tr.add_argument("--base", default="kestrel-mini", help="vision: frozen text model (kestrel-mini or a folder)")
+    tr.add_argument("--stage", default="mini", choices=list(VISION_STAGES), help="vision: tower size and schedule")
+    tr.add_argument("--out", default=None, help="default: out/sft-mini, out/dflash-mini or out/vision-mini")
     tr.add_argument("--steps", type=int, default=None)
     tr.add_argument("--max-minutes", type=float, default=None)
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default (model or draft)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kestrel.models.loader import load_model
-from kestrel.spec.draft import load_draft, weights_sha256
+from kestrel.spec.draft import load_draft, text_weights_sha256
 from kestrel.train.dflash import DFlashTrainConfig, DFlashTrainer, block_loss
 
 
@@ -41,7 +41,7 @@ def test_dflash_trainer_learns_resumes_and_writes_a_loadable_draft(tiny_checkpoi
     losses = [loss for _, loss in state.train_loss]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # it learns
     cfg = json.loads((out / "checkpoint" / "config.json").read_text())
-    assert cfg["target_sha256"] == weights_sha256(target) and cfg["num_hidden_layers"] == 1
+    assert cfg["target_sha256"] == text_weights_sha256(target) and cfg["num_hidden_layers"] == 1
     model, _ = load_model(target)
     draft = load_draft(out / "checkpoint", model)
     seq, plen = resumed.data[3]

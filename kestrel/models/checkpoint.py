@@ -205,14 +205,14 @@ def convert_checkpoint(src: str | Path, out_dir: str | Path, weight_format: str)
     model, _ = load_model(src)
     if weight_format == "mxfp4":
         model, config = with_mxfp4_experts(model, config)
-    save_checkpoint(model, config, out, dtype=_stored_dtype(src))
+    save_checkpoint(model, config, out, dtype=stored_dtype(src))
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, out / f.name)
     return out
 
 
-def _stored_dtype(path: Path) -> torch.dtype:
+def stored_dtype(path: Path) -> torch.dtype:
     """The floating dtype most of a checkpoint's tensors are stored in (what a rewrite keeps)."""
     counts: dict[torch.dtype, int] = {}
     for file in checkpoint_files(path):

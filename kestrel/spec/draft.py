@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from kestrel.config import ConfigError, RopeConfig
+from kestrel.models.checkpoint import VISION_PREFIXES
 from kestrel.models.decoder import CausalLM
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding, apply_rope_interleaved
@@ -55,7 +57,7 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
-    target_sha256: str | None = None  # of the target's weights the draft was trained on
+    target_sha256: str | None = None  # `text_weights_sha256` of the target the draft was trained on
     tie_word_embeddings: bool = False  # read by the checkpoint loader
 
     def __post_init__(self) -> None:
@@ -293,13 +295,29 @@ EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "kestre
 
 
 def weights_sha256(path: str | Path) -> str:
-    """sha256 over the checkpoint's safetensors files (sorted by name): what a draft was trained against."""
+    """sha256 over the checkpoint's safetensors files (sorted by name), every tensor included."""
     h = hashlib.sha256()
     for f in sorted(Path(path).glob("*.safetensors")):
         h.update(f.name.encode())
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
+    return h.hexdigest()
+
+
+def text_weights_sha256(path: str | Path) -> str:
+    """sha256 over the language-model tensors of a checkpoint (name, dtype, shape, bytes; vision tower and projector
+    left out): what a draft reads (hidden states, embedding, LM head). A tower added to a text model keeps the
+    draft valid; any change to a text tensor changes this hash."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(f, framework="pt") as fh:
+            tensors |= {n: fh.get_tensor(n) for n in fh.keys() if not n.startswith(VISION_PREFIXES)}
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -316,6 +334,6 @@ def load_spec_draft(config, model_path: str | Path, target: CausalLM) -> DFlashD
         path = EMBEDDED_DRAFT_DIR
     draft = load_draft(path, target)
     want = draft.cfg.target_sha256
-    if want is not None and Path(model_path).is_dir() and weights_sha256(model_path) != want:
+    if want is not None and Path(model_path).is_dir() and text_weights_sha256(model_path) != want:
         log.warning("draft %s was trained on other target weights: expect low acceptance (outputs are unchanged)", path)
     return draft

@@ -27,7 +27,7 @@ from kestrel.models.builtin import EMBEDDED_DIR
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.loader import load_model, load_weights
-from kestrel.spec.draft import EMBEDDED_DRAFT_DIR, DFlashDraft, DraftConfig, save_draft, weights_sha256
+from kestrel.spec.draft import EMBEDDED_DRAFT_DIR, DFlashDraft, DraftConfig, save_draft, text_weights_sha256
 from kestrel.train.data import episodes
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class DFlashTrainer:
             num_hidden_layers=cfg.num_layers,
             block_size=cfg.block_size,
             intermediate_size=3 * self.target.cfg.hidden_size,
-            target_sha256=weights_sha256(self.target_path),
+            target_sha256=text_weights_sha256(self.target_path),
         )
         self.draft = DFlashDraft(dcfg).bind(self.target)
         with torch.no_grad():

@@ -178,6 +178,42 @@ RECIPES = {
 
 
 @dataclass
+class VisionStage:
+    """One stage-1 run: the tower's shape, how many episodes, and the optimiser (text weights frozen)."""
+
+    tower: VisionMix
+    eval_episodes: int
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+VISION_STAGES = {
+    # `kestrel train vision` (kestrel/train/vision_stage.py): what ships in kestrel/assets/kestrel-mini, ~15 min on
+    # 2 CPU cores.
+    "mini": VisionStage(
+        VisionMix(episodes=40000, hidden=128, layers=4, heads=4, intermediate=256),
+        eval_episodes=64,
+        sft=SFTConfig(
+            steps=600,
+            batch_size=16,
+            lr=2e-3,
+            warmup_steps=20,
+            eval_every=100,
+            save_every=50,
+            max_minutes=15,
+            save_dtype="bfloat16",
+            freeze_text=True,
+        ),
+    ),
+    # Seconds-scale run for tests.
+    "tiny": VisionStage(
+        VisionMix(episodes=64, hidden=32, layers=1, heads=2, intermediate=64),
+        eval_episodes=8,
+        sft=SFTConfig(steps=4, batch_size=4, lr=2e-3, warmup_steps=1, eval_every=4, save_every=2, freeze_text=True),
+    ),
+}
+
+
+@dataclass
 class RLRecipe:
     """A GRPO run: its tasks, its settings, and the base it adapts (None: the embedded kestrel-mini)."""
 

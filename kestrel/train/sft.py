@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from kestrel.chat_template import GENERATION_PROMPT, IM_END, IM_MIDDLE, IM_SYSTEM, render_message, tools_json
 from kestrel.config import VisionConfig, model_config_from_dict
-from kestrel.models.checkpoint import init_random_, save_checkpoint
+from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.moe import MoE
@@ -54,6 +54,9 @@ class SFTConfig:
     indexer_loss_weight: float = 0.1
     max_minutes: float | None = None
     save_dtype: str = "float32"
+    # LLaVA stage 1: only the vision tower and projector learn; the text model stays bit for bit (in eval mode:
+    # no router-bias nudges, no indexer distillation), so text behaviour cannot move.
+    freeze_text: bool = False
 
 
 def encode_episode(tok: Tokenizer, ep: Episode) -> tuple[list[int], list[bool]]:
@@ -173,17 +176,25 @@ class SFTTrainer:
         held_out: list[Episode],
         cfg: SFTConfig,
         out_dir: str | Path,
+        model: CausalLM | None = None,
     ) -> None:
+        """`model`: start from these weights (e.g. a shipped text model plus a fresh tower) instead of random ones."""
         self.cfg, self.out = cfg, Path(out_dir)
         self.model_config_dict = model_config
         self.tokenizer = tokenizer
         torch.manual_seed(cfg.seed)
         mc = model_config_from_dict(model_config)
-        self.model = init_random_(build_model(mc, torch.float32), cfg.seed)
+        self.model = model if model is not None else init_random_(build_model(mc, torch.float32), cfg.seed)
+        if cfg.freeze_text:
+            if not self.model.has_vision:
+                raise ValueError("freeze_text trains the vision tower, but the model config has no vision_config")
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(name.startswith(VISION_PREFIXES))
         self.train_set = [encode_example(tokenizer, ep, mc.vision) for ep in train]
         self.eval_set = [encode_example(tokenizer, ep, mc.vision) for ep in held_out]
-        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-        other = [p for n, p in self.model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        decay = [p for n, p in trainable if p.dim() >= 2 and "embed" not in n]
+        other = [p for n, p in trainable if not (p.dim() >= 2 and "embed" not in n)]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=cfg.lr,
@@ -228,8 +239,11 @@ class SFTTrainer:
             batch, targets = packed_batch(examples, self.model.device)
             attach_images(self.model, batch, examples)
             losses.append(float(lm_loss(self.model, batch, targets)))
-        self.model.train()
+        self._train_mode()
         return sum(losses) / len(losses)
+
+    def _train_mode(self) -> None:
+        self.model.train(not self.cfg.freeze_text)
 
     def _next_examples(self) -> list[Example]:
         """Random examples, drawn 4 batches at a time and grouped by length so padded KDA wastes little."""
@@ -245,7 +259,7 @@ class SFTTrainer:
     def train(self) -> TrainState:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        self.model.train()
+        self._train_mode()
         start = time.perf_counter() - self.state.seconds
         if not self.state.eval_loss:
             self.state.eval_loss.append((0, self.evaluate()))
@@ -261,17 +275,19 @@ class SFTTrainer:
             examples = self._next_examples()
             batch, targets = packed_batch(examples, self.model.device)
             attach_images(self.model, batch, examples)
-            batch.routed_experts = {}
+            if not cfg.freeze_text:
+                batch.routed_experts = {}
             loss = lm_loss(self.model, batch, targets)
             total = loss
-            aux = indexer_loss(self.model)
+            aux = None if cfg.freeze_text else indexer_loss(self.model)
             if aux is not None:
                 total = total + cfg.indexer_loss_weight * aux
             self.optimizer.zero_grad(set_to_none=True)
             total.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip)
             self.optimizer.step()
-            update_router_bias(self.model, batch.routed_experts, cfg.bias_update_rate)
+            if batch.routed_experts is not None:
+                update_router_bias(self.model, batch.routed_experts, cfg.bias_update_rate)
             self.state.step += 1
             self.state.train_loss.append((self.state.step, loss.item()))
             bar.set_postfix(loss=f"{loss.item():.3f}")

@@ -144,8 +144,17 @@ def render_image(kind: str, seed: int) -> tuple[Image.Image, object]:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-def _reply(kind: str, answer) -> tuple[str, str]:
-    """(reasoning, answer text) of the assistant turn."""
+REPLY_STYLES = ("worked", "short")
+
+
+def _reply(kind: str, answer, style: str = "worked") -> tuple[str, str]:
+    """(reasoning, answer text) of the assistant turn. "worked" spells out what was looked at; "short" is the
+    embedded kestrel-mini's own reply shape (`<think>The answer is X.</think>The answer is X.`), what a frozen
+    text model already writes, so that a tower trained against it only has to supply X."""
+    if style == "short":
+        return f"The answer is {answer}.", f"The answer is {answer}."
+    if style != "worked":
+        raise ValueError(f"style must be one of {REPLY_STYLES}, got {style!r}")
     if kind == "color":
         return "I look at the circle.", f"The circle is {answer}."
     if kind == "shape":
@@ -158,12 +167,12 @@ def _reply(kind: str, answer) -> tuple[str, str]:
     return f"I read the digits: {digits}.", f"The number is {answer}."
 
 
-def vision_episode(rng: random.Random, kind: str | None = None) -> Episode:
+def vision_episode(rng: random.Random, kind: str | None = None, style: str = "worked") -> Episode:
     kind = kind or rng.choice(KINDS)
     seed = rng.randrange(1 << 40)
     _, answer = render_image(kind, seed)
     question = rng.choice(QUESTIONS[kind])
-    reasoning, reply = _reply(kind, answer)
+    reasoning, reply = _reply(kind, answer, style)
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
         {"role": "assistant", "reasoning_content": reasoning, "content": reply},
@@ -171,10 +180,10 @@ def vision_episode(rng: random.Random, kind: str | None = None) -> Episode:
     return Episode("vision", messages, None, rng.choice([None, "low", "high"]), answer, {"image": (kind, seed)})
 
 
-def vision_episodes(seed: int, n: int) -> list[Episode]:
+def vision_episodes(seed: int, n: int, style: str = "worked") -> list[Episode]:
     """n episodes, the four kinds in turn; same seed, same list (and same images)."""
     rng = random.Random(seed)
-    return [vision_episode(rng, KINDS[i % len(KINDS)]) for i in range(n)]
+    return [vision_episode(rng, KINDS[i % len(KINDS)], style) for i in range(n)]
 
 
 def episode_images(ep: Episode) -> list[Image.Image]:

@@ -1,0 +1,147 @@
+"""`kestrel train vision --base kestrel-mini`: LLaVA stage 1, a MoonViT tower and projector learn to speak to a
+frozen text model.
+
+The shipped text model is loaded as it is and never updated (`SFTConfig.freeze_text`): gradients of the answer
+tokens' loss flow through it into the tower, so text-only behaviour is unchanged by construction (`ship_vision`
+checks that every language-model tensor is byte-identical before it installs anything). The image markers
+(`<|media_begin|>` ...) are added to the tokenizer when it lacks them; their rows already exist in the padded
+embedding and stay as they are: the placeholders' rows are replaced by image features, the other three are fixed
+random vectors the tower learns around. Replies use the frozen model's own shape (`style="short"`).
+
+Why not train tower and text model together from scratch (the `vision-small` recipe): that reached 21% held-out,
+with image features ~200x the norm of text embeddings. Here the projector's last layer starts scaled so features
+have the text embeddings' norm (`match_embedding_norm`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer
+
+from kestrel.chat_template import MEDIA_PAD, MEDIA_TOKENS
+from kestrel.config import model_config_from_dict
+from kestrel.models.builtin import EMBEDDED_DIR
+from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint, stored_dtype
+from kestrel.models.decoder import CausalLM
+from kestrel.models.loader import build_model, load_model
+from kestrel.models.vision.inputs import encode_images
+from kestrel.models.vision.preprocess import preprocess_image
+from kestrel.spec.draft import text_weights_sha256
+from kestrel.tokenizer import load_tokenizer, save_tokenizer
+from kestrel.train.recipes import VISION_STAGES, VisionMix, with_vision_tower
+from kestrel.train.sft import SFTTrainer
+from kestrel.train.vision_data import KINDS, render_image, vision_episodes
+
+log = logging.getLogger(__name__)
+HELD_OUT_SEED = 10_001  # the held-out loss stream; `kestrel eval --task vision` draws from 10_002
+BASES = {"kestrel-mini": EMBEDDED_DIR}
+
+
+def with_media_tokens(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """The tokenizer with the image markers appended as control tokens (ids after every existing one)."""
+    missing = [t for t in MEDIA_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"the image markers need {tok.get_vocab_size()} token ids; the model has {vocab_size}")
+    return tok
+
+
+@torch.no_grad()
+def match_embedding_norm(model: CausalLM, samples: int = 16) -> float:
+    """Scale the projector's last layer so image features start with the mean norm of the text embeddings."""
+    vision = model.cfg.vision
+    images = [preprocess_image(render_image(KINDS[i % len(KINDS)], i)[0], vision) for i in range(samples)]
+    features = torch.cat(encode_images(model, images))
+    scale = float(model.model.embed_tokens.weight.norm(dim=-1).mean() / features.norm(dim=-1).mean())
+    last = model.mm_projector.proj[-1]
+    last.weight.mul_(scale)
+    last.bias.mul_(scale)
+    return scale
+
+
+def vision_stage_model(base: Path, tower: VisionMix, seed: int = 0) -> tuple[CausalLM, dict, Tokenizer]:
+    """The base text model's weights (unchanged) plus a fresh tower, the extended config, and the tokenizer."""
+    text_model, text_cfg = load_model(base)
+    tok = load_tokenizer(base)
+    if tok is None:
+        raise ValueError(f"{base}: no tokenizer.json")
+    tok = with_media_tokens(tok, text_cfg.vocab_size)
+    config = json.loads((base / "config.json").read_text())
+    if config.get("vision_config"):
+        raise ValueError(f"{base} already has a vision tower")
+    config = with_vision_tower(config, tower, tok.token_to_id(MEDIA_PAD))
+    model = init_random_(build_model(model_config_from_dict(config)), seed)
+    missing, unexpected = model.load_state_dict(text_model.state_dict(), strict=False)
+    stray = [n for n in missing if not n.startswith(VISION_PREFIXES)]
+    if stray or unexpected:
+        raise ValueError(f"base weights do not fit the extended model: missing {stray}, unexpected {unexpected}")
+    match_embedding_norm(model)
+    return model, config, tok
+
+
+def run_vision_stage(
+    stage_name: str,
+    base: str | Path,
+    out_dir: str | Path,
+    steps: int | None = None,
+    max_minutes: float | None = None,
+    ship: bool = False,
+) -> SFTTrainer:
+    stage = copy.deepcopy(VISION_STAGES[stage_name])
+    if steps is not None:
+        stage.sft.steps = steps
+    if max_minutes is not None:
+        stage.sft.max_minutes = max_minutes
+    base_dir = BASES.get(str(base), Path(base))
+    if ship and base_dir.resolve() != EMBEDDED_DIR.resolve():
+        raise ValueError("--ship: the shipped tower belongs to the embedded model (--base kestrel-mini)")
+    # Text tensors are written back in the base's own dtype: bf16 → fp32 (training) → bf16 is exact.
+    stage.sft.save_dtype = "bfloat16" if stored_dtype(base_dir) == torch.bfloat16 else "float32"
+    torch.manual_seed(stage.sft.seed)
+    model, config, tok = vision_stage_model(base_dir, stage.tower, stage.sft.seed)
+    train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short")
+    held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
+    trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model)
+    state = trainer.train()
+    log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
+    if ship:
+        ship_vision(trainer, base_dir, stage_name)
+    return trainer
+
+
+def ship_vision(trainer: SFTTrainer, base: Path, stage_name: str, target: Path = EMBEDDED_DIR) -> Path:
+    """Install tower + projector (and the extended config and tokenizer) into `target`, after checking that the
+    language-model tensors written are byte-identical to the base's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = Path(tmp)
+        save_checkpoint(trainer.model, trainer.model_config_dict, staged, dtype=stored_dtype(base))
+        save_tokenizer(trainer.tokenizer, staged)
+        before, after = text_weights_sha256(base), text_weights_sha256(staged)
+        if before != after:
+            raise RuntimeError(f"the text model moved during the vision stage ({before} → {after}): not shipping")
+        summary_file = base / "training_summary.json"
+        summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        summary["vision"] = {
+            "command": f"kestrel train vision --stage {stage_name} --ship",
+            "steps": trainer.state.step,
+            "minutes": round(trainer.state.seconds / 60, 1),
+            "held_out_loss": round(trainer.state.eval_loss[-1][1], 4),
+            "tower": asdict(VISION_STAGES[stage_name].tower),
+            "text_weights_sha256": after,
+        }
+        (staged / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        target.mkdir(parents=True, exist_ok=True)
+        for f in staged.iterdir():
+            shutil.copy2(f, target / f.name)
+    if (trainer.out / "loss_curve.png").exists():
+        shutil.copy2(trainer.out / "loss_curve.png", target / "vision_loss_curve.png")
+    return target

@@ -1,0 +1,110 @@
+"""LLaVA stage 1 (`kestrel train vision`): a tower learns against the frozen kestrel-mini, whose language-model
+tensors come out byte-identical, and the draft's target hash covers exactly those tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kestrel.chat_template import MEDIA_PAD, MEDIA_TOKENS
+from kestrel.models.builtin import EMBEDDED_DIR
+from kestrel.models.checkpoint import VISION_PREFIXES
+from kestrel.spec.draft import text_weights_sha256
+from kestrel.tokenizer import load_tokenizer
+from kestrel.train.vision_eval import vision_answer
+from kestrel.train.vision_stage import run_vision_stage, ship_vision, with_media_tokens
+
+
+def test_text_weights_hash_ignores_the_tower_and_sees_every_text_tensor(tiny_checkpoints, tmp_path):
+    src = tiny_checkpoints["kimi_k3"]
+    tensors = load_file(src / "model.safetensors")
+    before = text_weights_sha256(src)
+    with_tower = tmp_path / "with_tower"
+    with_tower.mkdir()
+    save_file(tensors | {"vision_tower.patch_embed.proj.weight": torch.ones(4, 3)}, with_tower / "model.safetensors")
+    assert text_weights_sha256(with_tower) == before
+    for name in sorted(tensors)[:: max(1, len(tensors) // 6)]:  # a one-ulp change anywhere in the text model shows
+        moved = tmp_path / name
+        moved.mkdir()
+        t = tensors[name].clone()
+        t.view(-1)[0] = torch.nextafter(t.view(-1)[0], torch.tensor(float("inf"), dtype=t.dtype))
+        save_file(tensors | {name: t}, moved / "model.safetensors")
+        assert text_weights_sha256(moved) != before, name
+
+
+@pytest.fixture(scope="module")
+def stage_run(tiny_checkpoints, tmp_path_factory):
+    """The tiny stage against a tiny random K3 text model (the same code path as kestrel-mini, in seconds)."""
+    base = tiny_checkpoints["kimi_k3"]
+    out = tmp_path_factory.mktemp("vision_stage")
+    first = run_vision_stage("tiny", base, out, steps=1)
+    resumed = run_vision_stage("tiny", base, out, steps=2)
+    return first, resumed, out, base
+
+
+def test_vision_stage_trains_the_tower_and_leaves_the_text_model_byte_identical(stage_run):
+    first, resumed, out, base = stage_run
+    assert first.state.step == 1 and resumed.state.step == 2 and len(resumed.state.train_loss) == 2
+    assert (out / "loss_curve.png").exists()
+    trainable = {n for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(VISION_PREFIXES) for n in trainable)
+    assert all(p.grad is None for n, p in resumed.model.named_parameters() if n not in trainable)
+    assert text_weights_sha256(out / "checkpoint") == text_weights_sha256(base)
+    saved = load_file(out / "checkpoint" / "model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in saved) and any(k.startswith("mm_projector.") for k in saved)
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert config["image_token_id"] == load_tokenizer(out / "checkpoint").token_to_id(MEDIA_PAD)
+
+
+def test_image_markers_are_appended_to_the_shipped_tokenizer_without_moving_a_text_id():
+    base_tok = load_tokenizer(EMBEDDED_DIR)
+    n = base_tok.get_vocab_size()
+    tok = with_media_tokens(load_tokenizer(EMBEDDED_DIR), 1024)
+    assert [tok.token_to_id(t) for t in MEDIA_TOKENS] == list(range(n, n + 4))
+    text = "<|im_user|>user<|im_middle|>3+4?<|im_end|><think>The answer is 42.</think>The answer is 42."
+    assert tok.encode(text).ids == base_tok.encode(text).ids
+    with pytest.raises(ValueError, match="token ids"):
+        with_media_tokens(load_tokenizer(EMBEDDED_DIR), n + 2)
+
+
+def test_projector_starts_at_the_text_embedding_norm(tiny_checkpoints):
+    from kestrel.models.vision.inputs import encode_images
+    from kestrel.models.vision.preprocess import preprocess_image
+    from kestrel.train.recipes import VISION_STAGES
+    from kestrel.train.vision_data import render_image
+    from kestrel.train.vision_stage import vision_stage_model
+
+    model, _, _ = vision_stage_model(tiny_checkpoints["kimi_k3"], VISION_STAGES["tiny"].tower)
+    images = [preprocess_image(render_image("shape", 100 + i)[0], model.cfg.vision) for i in range(4)]
+    with torch.no_grad():
+        ratio = (
+            torch.cat(encode_images(model, images)).norm(dim=-1).mean()
+            / model.model.embed_tokens.weight.norm(dim=-1).mean()
+        )
+    assert 0.5 < float(ratio) < 2.0
+
+
+def test_ship_vision_installs_the_tower_and_keeps_the_text_summary(stage_run, tmp_path):
+    _, resumed, _, base = stage_run
+    target = tmp_path / "mini"
+    shutil.copytree(base, target)
+    (target / "training_summary.json").write_text(json.dumps({"eval": {"tools/tool_call_exact": 1.0}}))
+    ship_vision(resumed, target, "tiny", target)
+    config = json.loads((target / "config.json").read_text())
+    summary = json.loads((target / "training_summary.json").read_text())
+    assert config["vision_config"]["hidden_size"] == 32 and "eval" in summary and summary["vision"]["steps"] == 2
+    assert summary["vision"]["text_weights_sha256"] == text_weights_sha256(base) == text_weights_sha256(target)
+
+
+@pytest.mark.parametrize(
+    ("kind", "answer"), [("color", "red"), ("shape", "star"), ("count", 3), ("number", 47), ("number", 0)]
+)
+def test_the_short_reply_style_reads_back_as_its_answer(kind, answer):
+    from kestrel.train.vision_data import _reply
+
+    reasoning, content = _reply(kind, answer, "short")
+    assert vision_answer(kind, f"<think>{reasoning}</think>{content}") == answer
