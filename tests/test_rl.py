@@ -25,10 +25,9 @@ from kestrel.cli import main
 from kestrel.config import ConfigError, load_model_config
 from kestrel.dist.groups import ParallelLayout, single_groups
 from kestrel.dist.launch import RankFailure, free_port
-from kestrel.models.checkpoint import make_model
+from kestrel.models.checkpoint import make_model, text_weights_sha256
 from kestrel.models.loader import load_model
 from kestrel.models.lora import load_peft
-from kestrel.spec.draft import weights_sha256
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
@@ -182,7 +181,7 @@ def test_every_step_has_bit_identical_logprobs_and_rollouts_on_the_adapter_just_
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3 and (out / "rl_curves.png").stat().st_size
     shipped = ship_adapter(job, state, "tiny", out / "shipped")
     summary = json.loads((shipped / SUMMARY_FILE).read_text())
-    assert summary["base_sha256"] == weights_sha256(job.model_path) and summary["steps"] == 3
+    assert summary["base_sha256"] == text_weights_sha256(job.model_path) and summary["steps"] == 3
     assert load_peft(shipped).checksum == adapter_checksum(out / "adapter")
 
 

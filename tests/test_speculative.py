@@ -278,7 +278,8 @@ def test_sampled_speculative_preserves_the_sampling_distribution(tmp_path, monke
 def test_shipped_draft_was_trained_on_the_shipped_target():
     """The draft records the sha256 of the target weights it was distilled from: retrain it when they change."""
     from kestrel.models.builtin import EMBEDDED_DIR
-    from kestrel.spec.draft import EMBEDDED_DRAFT_DIR, text_weights_sha256
+    from kestrel.models.checkpoint import text_weights_sha256
+    from kestrel.spec.draft import EMBEDDED_DRAFT_DIR
 
     cfg = json.loads((EMBEDDED_DRAFT_DIR / "config.json").read_text())
     assert cfg["target_sha256"] == text_weights_sha256(EMBEDDED_DIR), "kestrel-mini changed: run `kestrel train dflash`"

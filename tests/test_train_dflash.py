@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
+from kestrel.models.checkpoint import text_weights_sha256
 from kestrel.models.loader import load_model
-from kestrel.spec.draft import load_draft, text_weights_sha256
+from kestrel.spec.draft import load_draft
 from kestrel.train.dflash import DFlashTrainConfig, DFlashTrainer, block_loss
 
 

@@ -12,8 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kestrel.chat_template import MEDIA_PAD, MEDIA_TOKENS
 from kestrel.models.builtin import EMBEDDED_DIR
-from kestrel.models.checkpoint import VISION_PREFIXES
-from kestrel.spec.draft import text_weights_sha256
+from kestrel.models.checkpoint import VISION_PREFIXES, text_weights_sha256
 from kestrel.tokenizer import load_tokenizer
 from kestrel.train.vision_eval import vision_answer
 from kestrel.train.vision_stage import run_vision_stage, ship_vision, with_media_tokens

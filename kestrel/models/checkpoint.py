@@ -8,6 +8,7 @@ family keeps its own layout: Kimi checkpoints write `block_sparse_moe.experts.N.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import re
@@ -260,3 +261,19 @@ def make_model(
     if cfg.vocab_size >= BYTE_VOCAB_SIZE:
         save_tokenizer(byte_level_tokenizer(), out)
     return out
+
+
+def text_weights_sha256(path: str | Path) -> str:
+    """sha256 over the language-model tensors of a checkpoint (name, dtype, shape, bytes; vision tower and projector
+    left out): what a draft reads (hidden states, embedding, LM head). A tower added to a text model keeps the
+    draft valid; any change to a text tensor changes this hash."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(f, framework="pt") as fh:
+            tensors |= {n: fh.get_tensor(n) for n in fh.keys() if not n.startswith(VISION_PREFIXES)}
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

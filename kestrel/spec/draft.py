@@ -9,7 +9,6 @@ head turn the B-1 mask rows into proposals. The target's parts are borrowed, nev
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -17,11 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from kestrel.config import ConfigError, RopeConfig
-from kestrel.models.checkpoint import VISION_PREFIXES
+from kestrel.models.checkpoint import text_weights_sha256
 from kestrel.models.decoder import CausalLM
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding, apply_rope_interleaved
@@ -292,33 +290,6 @@ def random_draft(target: CausalLM, seed: int = 0, std: float = 0.02, **overrides
 
 
 EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "kestrel-mini-dflash"
-
-
-def weights_sha256(path: str | Path) -> str:
-    """sha256 over the checkpoint's safetensors files (sorted by name), every tensor included."""
-    h = hashlib.sha256()
-    for f in sorted(Path(path).glob("*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
-def text_weights_sha256(path: str | Path) -> str:
-    """sha256 over the language-model tensors of a checkpoint (name, dtype, shape, bytes; vision tower and projector
-    left out): what a draft reads (hidden states, embedding, LM head). A tower added to a text model keeps the
-    draft valid; any change to a text tensor changes this hash."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(f, framework="pt") as fh:
-            tensors |= {n: fh.get_tensor(n) for n in fh.keys() if not n.startswith(VISION_PREFIXES)}
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def load_spec_draft(config, model_path: str | Path, target: CausalLM) -> DFlashDraft:

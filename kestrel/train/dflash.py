@@ -24,10 +24,11 @@ from tqdm import tqdm
 
 from kestrel.chat_template import render_chat
 from kestrel.models.builtin import EMBEDDED_DIR
+from kestrel.models.checkpoint import text_weights_sha256
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.loader import load_model, load_weights
-from kestrel.spec.draft import EMBEDDED_DRAFT_DIR, DFlashDraft, DraftConfig, save_draft, text_weights_sha256
+from kestrel.spec.draft import EMBEDDED_DRAFT_DIR, DFlashDraft, DraftConfig, save_draft
 from kestrel.train.data import episodes
 
 log = logging.getLogger(__name__)

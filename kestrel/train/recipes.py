@@ -187,8 +187,8 @@ class VisionStage:
 
 
 VISION_STAGES = {
-    # `kestrel train vision` (kestrel/train/vision_stage.py): what ships in kestrel/assets/kestrel-mini, ~15 min on
-    # 2 CPU cores.
+    # `kestrel train vision` (kestrel/train/vision_stage.py): the stage a seeing kestrel-mini would ship from, ~15 min
+    # on 2 CPU cores (not shipped yet: the README gives its accuracy).
     "mini": VisionStage(
         VisionMix(episodes=40000, hidden=128, layers=4, heads=4, intermediate=256),
         eval_episodes=64,

@@ -35,9 +35,10 @@ def summarize(state: RLState) -> dict[str, Any]:
 
 
 def ship_adapter(job: RLJob, state: RLState, recipe: str, target: Path = SHIPPED_ADAPTER_DIR) -> Path:
-    """Install the trained adapter (PEFT files + curves) under the package, recording the sha256 of the base
-    weights it was trained on (a test fails when the base changes and the adapter was not retrained)."""
-    from kestrel.spec.draft import weights_sha256
+    """Install the trained adapter (PEFT files + curves) under the package, recording the sha256 of the base's text
+    weights (`text_weights_sha256`, as the DFlash draft does): a test fails when the base changes and the adapter was
+    not retrained."""
+    from kestrel.models.checkpoint import text_weights_sha256
 
     if target.exists():
         shutil.rmtree(target)
@@ -45,6 +46,6 @@ def ship_adapter(job: RLJob, state: RLState, recipe: str, target: Path = SHIPPED
     shutil.copy(Path(job.out) / "rl_curves.png", target / "rl_curves.png")
     base = "kestrel-mini" if job.model is None else str(job.model)
     summary = {"recipe": recipe, "command": f"kestrel rl --recipe {recipe} --ship", "base_model": base}
-    summary["base_sha256"] = weights_sha256(job.model_path)
+    summary["base_sha256"] = text_weights_sha256(job.model_path)
     (target / SUMMARY_FILE).write_text(json.dumps(summary | summarize(state), indent=2) + "\n")
     return target

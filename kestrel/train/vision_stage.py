@@ -29,12 +29,11 @@ from tokenizers import AddedToken, Tokenizer
 from kestrel.chat_template import MEDIA_PAD, MEDIA_TOKENS
 from kestrel.config import model_config_from_dict
 from kestrel.models.builtin import EMBEDDED_DIR
-from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint, stored_dtype
+from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint, stored_dtype, text_weights_sha256
 from kestrel.models.decoder import CausalLM
 from kestrel.models.loader import build_model, load_model
 from kestrel.models.vision.inputs import encode_images
 from kestrel.models.vision.preprocess import preprocess_image
-from kestrel.spec.draft import text_weights_sha256
 from kestrel.tokenizer import load_tokenizer, save_tokenizer
 from kestrel.train.recipes import VISION_STAGES, VisionMix, with_vision_tower
 from kestrel.train.sft import SFTTrainer
