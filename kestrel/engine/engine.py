@@ -33,7 +33,7 @@ from kestrel.engine.encoder_cache import EncoderCache
 from kestrel.engine.grammar import GrammarBackend, new_matcher
 from kestrel.engine.lora_registry import AdapterRegistry, AdapterVersion, started
 from kestrel.engine.model_runner import ModelRunner
-from kestrel.engine.outputs import CompletionOutput, RequestOutput, StepResult, request_output
+from kestrel.engine.outputs import RequestOutput, StepResult, request_output
 from kestrel.engine.request import Request
 from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
@@ -49,7 +49,6 @@ from kestrel.spec.draft import load_spec_draft
 from kestrel.spec.speculator import DFlashSpeculator
 from kestrel.tokenizer import load_tokenizer
 
-__all__ = ["CompletionOutput", "DTYPES", "Engine", "RequestOutput", "StepResult", "model_fingerprint", "resolve_device"]
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 32768
 
