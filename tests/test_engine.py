@@ -89,6 +89,27 @@ def test_requests_arriving_while_others_decode_run_mixed_steps(family, tiny_chec
     assert len(mixed) >= 5, steps  # every arrival after the first joins decoding requests
 
 
+def test_requests_admitted_together_decode_their_states_in_place(tiny_checkpoints):
+    """Request slots come from the low end, checkpoints from the high end: requests admitted together hold one run of
+    slots, so their decode steps update the KDA states in the pool (no gather and scatter), matching the reference."""
+    llm = LLM(str(tiny_checkpoints["kimi_linear"]), max_total_tokens=4096, page_size=8)
+    llm.generate(_prompts(2, 259, seed=5), _greedy(3), use_tqdm=False)  # their slots come back, and checkpoints stay
+    engine, runs = llm.engine, []
+    execute = engine.runner.execute
+
+    def spy(plan, *args, **kwargs):
+        logits, batch = execute(plan, *args, **kwargs)
+        if batch.num_decode == batch.num_seqs > 1:
+            runs.append(batch.cache.state_range)
+        return logits, batch
+
+    engine.runner.execute = spy
+    prompts = _prompts(8, 259, seed=6)
+    _assert_matches_reference(llm, prompts, llm.generate(prompts, _greedy(), use_tqdm=False))
+    assert len(runs) >= NEW_TOKENS - 1 and all(r is not None and r[1] == 8 for r in runs), runs
+    _assert_all_freed(llm)
+
+
 def _spy_batches(engine) -> list[tuple[int, int]]:
     """Record (decode rows, sequences) of every batch the runner executes."""
     seen, execute = [], engine.runner.execute

@@ -51,3 +51,30 @@ def test_one_token_per_expert_path_is_bit_identical_to_the_grouped_gemm(act):
         args = (x, ids, weights, gate_up, down, act, 4.0, 8.0)
         with torch.no_grad():
             assert torch.equal(expert_pairs(*args), expert_segments(*args)), trial
+
+
+def test_experts_module_reuses_its_views_until_the_weights_change():
+    """The batch-1 path reads cached per-expert views; a reload (new storage) or an in-place update is seen."""
+    from types import SimpleNamespace
+
+    from kestrel.models.layers.moe import Experts
+
+    cfg = SimpleNamespace(num_experts=4, moe_intermediate_size=8, hidden_act="silu", situ_beta=None)
+    cfg.situ_linear_beta = None
+    experts = Experts(cfg, 16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen))
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen))
+    x, ids, w = torch.randn(1, 16, generator=gen), torch.tensor([[2, 0]]), torch.rand(1, 2, generator=gen)
+
+    def reference():
+        return expert_segments(x, ids, w, experts.gate_up_proj, experts.down_proj, "silu", 0.0, 0.0)
+
+    with torch.inference_mode():
+        assert torch.equal(experts(x, ids, w), reference())
+        experts.down_proj.mul_(2.0)  # in place: the same storage, a new version
+        assert torch.equal(experts(x, ids, w), reference())
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach() * 3.0)  # replaced (another storage)
+    with torch.inference_mode():
+        assert torch.equal(experts(x, ids, w), reference())

@@ -100,6 +100,15 @@ def test_greedy_is_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_greedy_ties_take_the_first_maximal_token_and_logits_stay_untouched():
+    """Greedy is argmax exactly, ties included (transformers' greedy), and the plain path edits no input."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0], [-1.0, float("nan"), 5.0, 0.0]])
+    before = logits.clone()
+    out = Sampler([]).sample(logits, _rows(SamplingParams(temperature=0.0), 3))
+    assert out.token_ids == logits.argmax(-1).tolist() == [1, 0, 1]
+    assert torch.equal(logits, before) or torch.allclose(logits, before, equal_nan=True)
+
+
 def test_plain_sampling_matches_distribution():
     freq = _frequencies(SamplingParams())
     assert torch.allclose(freq, PROBS, atol=TOL)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kestrel.cache.kv_pool import PageAllocator
 from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.state_pool import SlotAllocator
@@ -41,3 +43,15 @@ def test_mixed_step_puts_decode_rows_first_in_stable_order():
         assert plan.num_decode == 3
         assert all(c.num_tokens == 1 and c.samples for c in plan.chunks[: plan.num_decode])
         assert plan.chunks[3].num_tokens == 4 and plan.chunks[3].start == 4
+
+
+def test_slot_allocator_gives_requests_the_low_end_and_checkpoints_the_high_end():
+    slots = SlotAllocator(6)
+    assert [slots.alloc_low(), slots.alloc_low(), slots.alloc()] == [0, 1, 5]
+    slots.free(1)
+    slots.free(0)
+    assert [slots.alloc_low() for _ in range(3)] == [0, 1, 2]  # freed out of order, handed out in order again
+    assert slots.alloc() == 4 and slots.alloc_low() == 3 and slots.alloc_low() is None and slots.alloc() is None
+    with pytest.raises(RuntimeError, match="freed twice"):
+        slots.free(9)
+    assert slots.num_used == 6 and slots.num_free == 0

@@ -89,6 +89,9 @@ class NoPrefixCache:
     def alloc_slot(self) -> int | None:
         return self.slots.alloc()
 
+    def alloc_request_slot(self) -> int | None:
+        return self.slots.alloc_low()
+
     def device_pages(self) -> int:
         return 0
 

@@ -384,9 +384,17 @@ class RadixCache:
         return got
 
     def alloc_slot(self) -> int | None:
+        """A checkpoint's or snapshot's slot (the high end), evicting one checkpoint if none is free."""
         slot = self.slots.alloc()
         if slot is None and self.evict_checkpoints(1):
             slot = self.slots.alloc()
+        return slot
+
+    def alloc_request_slot(self) -> int | None:
+        """A running request's own slot (the low end: see SlotAllocator)."""
+        slot = self.slots.alloc_low()
+        if slot is None and self.evict_checkpoints(1):
+            slot = self.slots.alloc_low()
         return slot
 
     def evict_pages(self, n: int) -> int:

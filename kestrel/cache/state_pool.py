@@ -8,6 +8,8 @@ boundary, kept for the finish-time checkpoint), and the radix tree keeps checkpo
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from kestrel.cache.free_list import FreeList
@@ -15,15 +17,38 @@ from kestrel.config import ModelConfig
 
 
 class SlotAllocator(FreeList):
-    """State-slot ids for the scheduler and the radix tree; zero slots for a model without KDA layers."""
+    """State-slot ids for the scheduler and the radix tree; zero slots for a model without KDA layers.
+
+    Two-ended: a running request's slot is the lowest free id (`alloc_low`), checkpoints and snapshots take the
+    highest (`alloc`). Requests admitted together then hold one run of slots in arrival order, and a decode batch
+    over one run updates its KDA states in place in the pool (`PagedCacheView.decode_state_views`) instead of
+    gathering and scattering them: at 32 decoding requests those copies were ~13% of the step.
+    """
 
     def __init__(self, num_slots: int) -> None:
         super().__init__(num_slots, "state slot")
         self.num_slots = num_slots
+        self._free = list(range(num_slots))  # ascending: take() pops the highest, alloc_low the lowest
 
     def alloc(self) -> int | None:
+        """The highest free slot (checkpoints, snapshots), or None."""
         got = self.take(1)
         return got[0] if got else None
+
+    def alloc_low(self) -> int | None:
+        """The lowest free slot (a running request's own state), or None."""
+        if not self._free:
+            return None
+        slot = self._free.pop(0)
+        self._allocated.add(slot)
+        return slot
+
+    def give_back(self, ids: list[int]) -> None:
+        for i in ids:
+            if i not in self._allocated:
+                raise RuntimeError(f"{self.what} {i} freed twice or never allocated")
+            self._allocated.remove(i)
+            bisect.insort(self._free, i)
 
     def free(self, slot: int) -> None:
         self.give_back([slot])

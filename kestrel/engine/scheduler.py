@@ -272,7 +272,7 @@ class Scheduler:
                 if req.lora_name not in adapters and len(adapters) >= self.max_loras:
                     break  # FCFS: wait until a running adapter's requests finish
             if self.cache.has_state:
-                req.slot = self.cache.alloc_slot()
+                req.slot = self.cache.alloc_request_slot()
                 if req.slot is None:
                     break
             # Prompt logprobs need every prompt row computed, so such requests skip the match (as in vLLM);
@@ -309,7 +309,7 @@ class Scheduler:
         """Decode side: pages for the whole prompt and a state slot, the pages of a cached prefix reused (KV only:
         the KDA states arrive with the request). False, and nothing held, when memory is short."""
         if self.cache.has_state:
-            req.slot = self.cache.alloc_slot()
+            req.slot = self.cache.alloc_request_slot()
             if req.slot is None:
                 return False
         ids, prompt_len = req.cache_ids, len(req.prompt_ids)

@@ -13,6 +13,7 @@ from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.attnres import attn_res_mix
+from kestrel.models.layers.hookless import HooklessModule
 from kestrel.models.layers.kda import KDAAttention
 from kestrel.models.layers.mla import MLAAttention
 from kestrel.models.layers.moe import DenseMLP, MoE
@@ -30,7 +31,7 @@ class Residual:
     bank: list[torch.Tensor] = field(default_factory=list)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(HooklessModule):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id

@@ -14,6 +14,9 @@ from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, PrefillPhase
 from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast, fp32
+from kestrel.models.layers.constants import fp32_scalar
+from kestrel.models.layers.derived import derived
+from kestrel.models.layers.hookless import HooklessModule
 from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_step, kda_steps, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
@@ -24,7 +27,7 @@ RECURRENT_MAX_TOKENS = 16
 CHUNK_SIZE = 64  # chunked-form chunk length (64 measured fastest on CPU)
 
 
-class KDAAttention(nn.Module):
+class KDAAttention(HooklessModule):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -56,7 +59,7 @@ class KDAAttention(nn.Module):
 
     def project(self, x: torch.Tensor):
         """x → (q|k|v before the conv [T, 3C], forget gate g [T, H, K] fp32, beta [T, H] fp32, output gate [T, C])."""
-        mixed, f_a, b, gate = self.in_proj.fused(x).split([self.conv_dim, *self.in_proj.sizes[3:]], dim=-1)
+        mixed, f_a, b, gate = self.in_proj.fused(x).split_with_sizes([self.conv_dim, *self.in_proj.sizes[3:]], dim=-1)
         if self.g_b_proj is not None:
             gate = self.g_b_proj(gate)
         return mixed, self.forget_gate(f_a), torch.sigmoid(fp32(b)), gate
@@ -64,17 +67,20 @@ class KDAAttention(nn.Module):
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g ≤ 0, [T, H, K], fp32."""
         g = (fp32(self.f_b_proj(f_a)) + self.dt_bias).view(-1, self.n_heads, self.head_dim)
-        decay = self.A_log.exp().view(1, self.n_heads, 1)  # A_log and dt_bias are kept in fp32
         if self.gate_lower_bound is not None:
+            decay = derived(self, "decay", self.A_log, lambda a: a.exp().view(1, self.n_heads, 1))
             return self.gate_lower_bound * torch.sigmoid(decay * g)
-        return F.softplus(g, threshold=20.0) * -decay  # softplus(g) = g above 20, log1p(exp(g)) below
+        # A_log and dt_bias are kept in fp32; softplus(g) = g above 20, log1p(exp(g)) below
+        neg_decay = derived(self, "neg_decay", self.A_log, lambda a: -a.exp().view(1, self.n_heads, 1))
+        return F.softplus(g, threshold=20.0) * neg_decay
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv output into heads; q, k L2-normalised (fp32), q scaled by K^-1/2."""
         c = self.conv_dim // 3
         qk = l2_normalize(fp32(conv_out[..., : 2 * c]).unflatten(-1, (2, self.n_heads, self.head_dim)))
         v = conv_out[..., 2 * c :].unflatten(-1, (self.n_heads, self.head_dim))
-        return qk[..., 0, :, :] * self.head_dim**-0.5, qk[..., 1, :, :], v
+        scale = fp32_scalar(self.head_dim**-0.5) if qk.dtype == torch.float32 else self.head_dim**-0.5
+        return qk[..., 0, :, :] * scale, qk[..., 1, :, :], v
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = o.shape[0]

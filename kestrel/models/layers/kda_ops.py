@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kestrel.models.layers.constants import fp32_scalar
+
 
 def _compute_dtype(*xs: torch.Tensor) -> torch.dtype:
     """fp32 for fp32/bf16/fp16 inputs (the recurrent state is too rounding-sensitive for less); fp64 stays fp64."""
@@ -40,7 +42,8 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     transformers.
     """
     xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    out = xf / torch.sqrt((xf * xf).sum(dim=-1, keepdim=True) + eps)
+    eps_operand = fp32_scalar(eps) if xf.dtype == torch.float32 else eps  # see constants.py
+    out = xf / torch.sqrt((xf * xf).sum(dim=-1, keepdim=True) + eps_operand)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

@@ -48,7 +48,7 @@ class FusedLinear(nn.Linear):
         return out if self.lora is None else self.lora(x, out, slice(lo, lo + self.parts[name]))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return self.fused(x).split(self.sizes, dim=-1)
+        return self.fused(x).split_with_sizes(self.sizes, dim=-1)  # the C++ method: no Python wrapper
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, str]]:
         """Checkpoint tensor name → (fused parameter name, shard) for a module named `prefix` (loader aliases)."""

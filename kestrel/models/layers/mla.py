@@ -16,6 +16,7 @@ from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast
+from kestrel.models.layers.constants import fp32_scalar
 from kestrel.models.layers.dsa import (
     Indexer,
     as_positions,
@@ -25,6 +26,7 @@ from kestrel.models.layers.dsa import (
     selected_positions,
     topk_mask,
 )
+from kestrel.models.layers.hookless import HooklessModule
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
@@ -34,7 +36,7 @@ from kestrel.models.layers.topk_order import topk_positions
 ABSORB_MAX_TOKENS = 4
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(HooklessModule):
     def __init__(self, cfg: ModelConfig, layer_id: int, sparse: bool) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -75,8 +77,8 @@ class MLAAttention(nn.Module):
         else:
             q, q_resid = proj["q_proj"], x
         q = q.view(t, self.n_heads, self.nope + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, rope_key = proj["kv_a_proj_with_mqa"].split([self.rank, self.rope_dim], dim=-1)
+        q_nope, q_rope = q.split_with_sizes([self.nope, self.rope_dim], dim=-1)
+        latent, rope_key = proj["kv_a_proj_with_mqa"].split_with_sizes([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         if self.use_rope:
             q_rope = apply_rope_interleaved(q_rope, cos, sin)
@@ -261,7 +263,8 @@ class MLAAttention(nn.Module):
         scores = torch.bmm(q_latent, latent.transpose(1, 2))  # [B, H, L]
         if self.rope_dim:
             scores = scores + torch.bmm(cast(q_rope, ct), cast(rope_key, ct).transpose(1, 2))
-        scores = (scores * self.scale).masked_fill(~allowed[:, None, :], float("-inf"))
+        scale = fp32_scalar(self.scale) if scores.dtype == torch.float32 else self.scale  # see constants.py
+        scores = (scores * scale).masked_fill(~allowed[:, None, :], float("-inf"))
         probs = cast(torch.softmax(scores, dim=-1, dtype=torch.float32), ct)
         out_latent = torch.bmm(probs, latent)  # [B, H, r]
         return cast(torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out_dtype)

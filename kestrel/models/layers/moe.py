@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,9 @@ from torch import nn
 from kestrel.config import ModelConfig
 from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast, fp32
+from kestrel.models.layers.constants import fp32_scalar
+from kestrel.models.layers.derived import derived
+from kestrel.models.layers.hookless import HooklessModule
 from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.moe_mxfp4 import MXFP4Experts
 from kestrel.models.layers.norm import RMSNorm
@@ -39,7 +44,7 @@ class GatedActivation:
         return F.silu(gate) * up
 
 
-class DenseMLP(nn.Module):
+class DenseMLP(HooklessModule):
     def __init__(self, cfg: ModelConfig, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
@@ -50,7 +55,7 @@ class DenseMLP(nn.Module):
         return self.down_proj(self.act(*self.gate_up_proj(x)))
 
 
-class Router(nn.Module):
+class Router(HooklessModule):
     """fp32 router: choose with score + correction bias (grouped if configured), weight with the raw score."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -84,13 +89,13 @@ class Router(nn.Module):
 
     def weights_for(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routing weights of given experts: also used when a trainer replays a rollout's choices."""
-        weights = scores.gather(1, ids)
+        weights = scores.gather(1, ids)  # fp32 (see constants.py)
         if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + fp32_scalar(1e-20))
+        return weights * fp32_scalar(self.scaling)
 
 
-class Experts(nn.Module):
+class Experts(HooklessModule):
     """All routed experts as two stacked weights (fused gate|up and down), run as a grouped computation.
 
     The (token, expert) pairs are sorted by expert and every expert multiplies its contiguous segment: on CPU at
@@ -121,7 +126,9 @@ class Experts(nn.Module):
         if torch.compiler.is_compiling():
             return torch.ops.kestrel.expert_segments(*args)
         if ids.shape[0] == 1 and not torch.is_grad_enabled():  # batch-1 decode: see expert_pairs
-            return expert_pairs(*args)
+            gate_up = derived(self, "gate_up", self.gate_up_proj, lambda w: w.unbind(0))
+            down = derived(self, "down", self.down_proj, lambda w: w.unbind(0))
+            return expert_pairs(x, ids, weights, gate_up, down, *args[5:])
         return expert_segments(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
 
     def one_expert(self, e: int, xs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -146,7 +153,7 @@ class Experts(nn.Module):
         return (y * weights[:, :, None]).sum(1).to(x.dtype)
 
 
-class MoE(nn.Module):
+class MoE(HooklessModule):
     """Σ weight·expert(x) + shared(x); latent MoE runs the experts on a down-projected x (K3)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -204,15 +211,16 @@ def expert_pairs(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | Sequence[torch.Tensor],
+    down_proj: torch.Tensor | Sequence[torch.Tensor],
     act: str,
     beta: float,
     linear_beta: float,
 ) -> torch.Tensor:
     """`expert_segments` for one token, one expert at a time: the grouped GEMM would also visit every idle expert and
     the sort/scatter bookkeeping costs more than the token's GEMMs. Bit-identical to `expert_segments` for one token:
-    each expert sees the same one-row GEMM, and the terms are added in the same order (by expert id, from zero)."""
+    each expert sees the same one-row GEMM, and the terms are added in the same order (by expert id, from zero).
+    The weights may be given as per-expert sequences (a module's cached views: no select op per pair)."""
     out, columns = None, weights.unbind(1)  # one view op for all k weight columns
     for e, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
         gate, up = F.linear(x, gate_up_proj[e]).chunk(2, dim=-1)
