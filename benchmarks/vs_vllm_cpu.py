@@ -357,7 +357,8 @@ def main() -> None:
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="vs_vllm_cpu_"))
     model = Path(args.model) if args.model else make_checkpoint(work / "deepseek-v3-576", args.dtype)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    config = json.loads((model / "config.json").read_text())
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]  # kimi_k3 nests the decoder's config
     if args.num_prompts < max(BATCHES):
         ap.error(f"--num-prompts: need at least {max(BATCHES)} for batch {max(BATCHES)}")
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab)
@@ -374,7 +375,7 @@ def main() -> None:
     for engine in engines:
         python = args.vllm_python if engine.startswith("vllm") else sys.executable
         results[engine] = run_engine(engine, python, model, prompts_file, args)
-    reference = results["transformers"].get("tokens", {}).get("1")
+    reference = results.get("transformers", {}).get("tokens", {}).get("1")  # none for kimi_k3 (not in transformers)
     for r in results.values():
         if "error" not in r and reference:
             r["matches_transformers"] = compare_tokens(r, reference)

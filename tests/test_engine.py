@@ -126,9 +126,12 @@ def _spy_batches(engine) -> list[tuple[int, int]]:
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_reference_in_every_bucket(tiny_checkpoints):
     """--compile: pure decode steps of 1, 2 and 3 (padded to 4) rows run the compiled graph; same tokens."""
+    from torch._dynamo.utils import counters
+
     llm = LLM(str(tiny_checkpoints["kimi_k3"]), max_total_tokens=4096, page_size=8, compile=True, compile_max_bs=4)
     compiled = llm.engine.runner.compiled
     assert compiled.buckets == [1, 2, 4]
+    graphs_at_start_up = counters["stats"]["unique_graphs"]
     ran, call = [], compiled.__class__.__call__
     compiled.__class__.__call__ = lambda self, batch: (ran.append(batch.num_seqs), call(self, batch))[1]
     try:
@@ -138,6 +141,8 @@ def test_compiled_decode_matches_eager_reference_in_every_bucket(tiny_checkpoint
     finally:
         compiled.__class__.__call__ = call
     assert set(ran) == {1, 2, 4}  # the 3-row steps padded to the 4 bucket
+    # Histories crossed page boundaries (page size 8) without a graph compiled mid-serving.
+    assert counters["stats"]["unique_graphs"] == graphs_at_start_up
     for prompt, out, n in zip(prompts, outputs, (4, 9, 14)):
         _assert_matches_reference(llm, [prompt], [out], n)
     _assert_all_freed(llm)

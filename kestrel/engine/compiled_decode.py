@@ -43,8 +43,9 @@ class CompiledDecode:
         self.runner = runner
         self.buckets = batch_buckets(max_bs)
         self.cuda_graphs = runner.device.type == "cuda"
-        # One graph per bucket (and a spare each for shapes dynamo specialises, such as a one-token history).
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
+        # Up to two graphs per bucket (see warm_up_widths) and a spare each for shapes dynamo specialises, such as a
+        # one-token history.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 3 * len(self.buckets))
         mode = "reduce-overhead" if self.cuda_graphs else None
         self._forward = torch.compile(runner.model, mode=mode)
 
@@ -62,17 +63,29 @@ class CompiledDecode:
             slots = torch.nn.functional.pad(slots, (0, width - slots.shape[1]), value=slots[0, 0].item())
             batch.cache.decode_slots = slots
         else:
+            # Contiguous always: the [rows, history] slice of the page-slot table is contiguous only when the longest
+            # history fills its last page, and dynamo guards on that stride (a second graph, compiled mid-serving).
+            slots = batch.cache.decode_slots = slots.contiguous()
             torch._dynamo.maybe_mark_dynamic(slots, 1)  # one graph for every history length
         return self._forward(batch)
 
+    def warm_up_widths(self) -> list[int]:
+        """History lengths to compile each bucket at: one graph covers every length except where the graph itself
+        branches on it, which is DSA's top-min(k, L) (a short history reads all of itself, a long one k positions)."""
+        cfg = self.runner.model.cfg
+        dsa = cfg.index_topk > 0 and "dsa" in cfg.layer_kinds
+        return [2, cfg.index_topk + 1] if dsa and cfg.index_topk + 1 > 2 else [2]
+
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every bucket now, so no request waits for a compilation."""
+        """Compile every bucket (at every history width its graph branches on) now, so no request waits for a
+        compilation mid-serving."""
         from kestrel.engine.model_runner import StepInputs
 
-        runner, width = self.runner, 2
+        runner = self.runner
         start = time.perf_counter()
-        for bs in tqdm(self.buckets, desc="compiling decode step", unit="bucket"):
+        shapes = [(bs, width) for bs in self.buckets for width in self.warm_up_widths()]
+        for bs, width in tqdm(shapes, desc="compiling decode step", unit="graph"):
             inputs = StepInputs()
             pages = [runner.scratch_page] * (-(-width // runner.page_size))
             for _ in range(bs):

@@ -79,8 +79,9 @@ class PagedCacheView:
     def decode_state_views(self, layer) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The batch's KDA states as views of the pool, for an in-place decode step (no gather, no scatter: at
         batch 1 the two state copies cost ~6% of the step), or None when the slots are not one run (then
-        load_state/store_state). Never under torch.compile: the slot range would be baked into the graph."""
-        if self.state_range is None or self.states is None or torch.compiler.is_compiling():
+        load_state/store_state). Never under torch.compile: the slot range would be baked into the graph (checked
+        first, so that the graph does not guard on whether this step's slots happened to be one run)."""
+        if torch.compiler.is_compiling() or self.state_range is None or self.states is None:
             return None
         lo, n = self.state_range
         return self.states.conv[layer].narrow(0, lo, n), self.states.recurrent[layer].narrow(0, lo, n)

@@ -17,6 +17,7 @@ from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast
 from kestrel.models.layers.constants import fp32_scalar
+from kestrel.models.layers.derived import derived
 from kestrel.models.layers.dsa import (
     Indexer,
     as_positions,
@@ -31,6 +32,13 @@ from kestrel.models.layers.linear import FusedLinear, compiled_cpu_product_dtype
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import apply_rope_interleaved, softmax_scale_mscale
 from kestrel.models.layers.topk_order import topk_positions
+
+# Eager CPU decode runs the latent-side products (scores, probs·latents) in fp32 up to this many gathered latent
+# rows (batch × history), upcasting the gathered histories. torch's CPU bf16 `bmm` builds a oneDNN primitive per new
+# shape, and a decode step's history length is new every step: 175-290 us per call at batch 1 against ~20 us for
+# the upcast plus an fp32 bmm. The race's bf16 DeepSeek-V3 (1 thread) stepped 1.6x faster at batch 1 and 1.15x at
+# 8; at 32 (~3,000 rows) the upcast cost more than it saved (0.9x), so larger batches keep the model dtype.
+FP32_LATENT_MAX_ROWS = 2048
 
 # Chunks of at most this many new tokens use the absorbed (latent-space) form.
 ABSORB_MAX_TOKENS = 4
@@ -256,9 +264,12 @@ class MLAAttention(HooklessModule):
         W_UV views cost as much as the products at decode sizes (the same products, in the same order).
         """
         out_dtype, ct = q_nope.dtype, compiled_cpu_product_dtype(q_nope)
-        w = cast(self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank), ct)
+        if q_nope.device.type == "cpu" and latent.shape[0] * latent.shape[1] <= FP32_LATENT_MAX_ROWS:
+            ct = torch.float32  # see FP32_LATENT_MAX_ROWS
+        w = self._absorb_weights(ct)
+        wt = w.dtype  # the per-head weight products run in this dtype (fp32 on CPU: see _absorb_weights)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_latent = torch.bmm(cast(q_nope, ct).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+        q_latent = cast(torch.bmm(cast(q_nope, wt).transpose(0, 1), w_uk).transpose(0, 1), ct)  # [B, H, r]
         latent = cast(latent, ct)
         scores = torch.bmm(q_latent, latent.transpose(1, 2))  # [B, H, L]
         if self.rope_dim:
@@ -266,8 +277,22 @@ class MLAAttention(HooklessModule):
         scale = fp32_scalar(self.scale) if scores.dtype == torch.float32 else self.scale  # see constants.py
         scores = (scores * scale).masked_fill(~allowed[:, None, :], float("-inf"))
         probs = cast(torch.softmax(scores, dim=-1, dtype=torch.float32), ct)
-        out_latent = torch.bmm(probs, latent)  # [B, H, r]
+        out_latent = cast(torch.bmm(probs, latent), wt)  # [B, H, r]
         return cast(torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), out_dtype)
+
+    def _absorb_weights(self, ct: torch.dtype) -> torch.Tensor:
+        """kv_b_proj as per-head [H, nope + dv, r] for the absorbed products q·W_UK and o·W_UV.
+
+        On CPU these run in fp32 whatever the model dtype: a bf16 `bmm` of decode-sized operands is 2-5x slower
+        than fp32 there (no AMX path in torch's CPU bmm). Eager keeps an fp32 copy of the weight between steps
+        (H·(nope + dv)·r·4 bytes per MLA layer, the cost of skipping a per-step cast); compiled, inductor fuses the
+        upcast. The latent-side products stay in `ct`: upcasting every gathered history costs more at batch > 1.
+        """
+        w = self.kv_b_proj.weight
+        shape = (self.n_heads, self.nope + self.v_dim, self.rank)
+        if w.device.type != "cpu" or w.dtype == torch.float32:
+            return cast(w.view(shape), ct)
+        return derived(self, "absorb_fp32", w, lambda t: t.float().view(shape))
 
     # -- the two attention forms ------------------------------------------------------------------------
     def attend_naive(
