@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kestrel.models.layers.constants import fp32_scalar
-from kestrel.models.layers.derived import derived
+from kestrel.models.layers.derived import derived, weights_changed
 from kestrel.models.layers.hookless import HooklessModule
 from kestrel.models.layers.norm import RMSNorm, rms_norm_fp32
 
@@ -53,6 +53,10 @@ def test_derived_follows_the_source_and_stays_out_of_autograd():
         assert torch.equal(derived(owner, "double", owner.p, make), torch.full((3,), 4.0)) and len(calls) == 2
     out = derived(owner, "double", owner.p, make)  # grad mode: fresh, differentiable
     assert out.requires_grad and len(calls) == 3
+    with torch.no_grad():
+        owner.p.data.copy_(torch.zeros(3))  # how checkpoint loaders write: `.data` keeps no version of the parameter
+        weights_changed()  # ...so load_weights says so
+        assert torch.equal(derived(owner, "double", owner.p, make), torch.zeros(3)) and len(calls) == 4
 
 
 def test_hookless_module_calls_forward_and_refuses_hooks():

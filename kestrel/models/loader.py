@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from kestrel.config import ModelConfig, load_model_config
 from kestrel.models.decoder import CausalLM
+from kestrel.models.layers.derived import weights_changed
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.weight_loaders import FULL, SKIP, ShapeMismatch, loader_of, slice_of
 
@@ -123,6 +124,7 @@ def load_weights(
     """
     path = Path(path)
     files = checkpoint_files(path)
+    weights_changed()  # parameters are written in place below; tensors derived from them must be rebuilt
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     loaded: dict[str, set] = {name: set() for name in params}
