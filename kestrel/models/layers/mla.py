@@ -283,10 +283,11 @@ class MLAAttention(HooklessModule):
     def _absorb_weights(self, ct: torch.dtype) -> torch.Tensor:
         """kv_b_proj as per-head [H, nope + dv, r] for the absorbed products q·W_UK and o·W_UV.
 
-        On CPU these run in fp32 whatever the model dtype: a bf16 `bmm` of decode-sized operands is 2-5x slower
-        than fp32 there (no AMX path in torch's CPU bmm). Eager keeps an fp32 copy of the weight between steps
-        (H·(nope + dv)·r·4 bytes per MLA layer, the cost of skipping a per-step cast); compiled, inductor fuses the
-        upcast. The latent-side products stay in `ct`: upcasting every gathered history costs more at batch > 1.
+        On CPU these run in fp32 whatever the model dtype: torch's CPU bf16 `bmm` at decode sizes was 5x slower
+        than fp32 even at a fixed shape (30.7 vs 5.8 us, [4, 1, 64] x [4, 64, 512], one thread). Eager keeps an
+        fp32 copy of the weight between steps (H·(nope + dv)·r·4 bytes per MLA layer, not counted by the planner:
+        the price of skipping a per-step cast); compiled, inductor fuses the upcast. The latent-side products run
+        in `ct` (see FP32_LATENT_MAX_ROWS).
         """
         w = self.kv_b_proj.weight
         shape = (self.n_heads, self.nope + self.v_dim, self.rank)
