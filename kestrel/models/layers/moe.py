@@ -201,9 +201,10 @@ def expert_segments(
         0, flat, torch.ones_like(flat)
     )
     token_of = order // ids.shape[1]
-    gate, up = segment_linear(x[token_of], gate_up_proj, counts).chunk(2, dim=-1)
+    # index_select, not x[token_of]: CPU advanced indexing copies element by element (4x slower at 16K pairs)
+    gate, up = segment_linear(x.index_select(0, token_of), gate_up_proj, counts).chunk(2, dim=-1)
     h = situ(gate, up, beta, linear_beta or None) if act == "situ" else F.silu(gate) * up
-    y = segment_linear(h, down_proj, counts) * weights.reshape(-1)[order, None]
+    y = segment_linear(h, down_proj, counts) * weights.reshape(-1).index_select(0, order)[:, None]
     return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
 
 
