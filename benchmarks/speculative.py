@@ -2,10 +2,12 @@
 
 Held-out synthetic chat prompts (the distribution the shipped draft was distilled on, other seeds), greedy, answered
 by engines with and without `--speculative-algorithm dflash` at concurrency 1 / 4 / 16 (max_running_requests =
-concurrency, `concurrency × --rounds` prompts each). Configurations alternate inside every repeat so machine noise
-hits them alike; tok/s is output tokens / wall time, the ratio is median(spec) / median(plain). Acceptance length is
-tokens committed per verify block (accepted drafts + the target's own token), over all blocks of the run, at block
-sizes 5 and 7. The outputs must be identical token for token (checked).
+concurrency, `concurrency × --rounds` prompts each, at least `--min-prompts`). Configurations alternate inside every
+repeat so machine noise hits them alike; tok/s is output tokens / wall time, the ratio is median(spec) /
+median(plain). Acceptance length is tokens committed per verify block (accepted drafts + the target's own token),
+over all blocks of the run, at block sizes 5 and 7. In float32 (the default) the outputs must be identical token for
+token (checked); in bfloat16, the shipped model's dtype, a verify block's multi-row GEMMs round differently from a
+decode step's one-row GEMVs, so near-ties may resolve differently: the count of identical outputs is reported.
 
     .venv/bin/python benchmarks/speculative.py --threads 1 --repeats 3
 """
@@ -42,36 +44,47 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="prompts per concurrency slot")
+    ap.add_argument("--min-prompts", type=int, default=8, help="at least this many prompts per level (c=1: not 2)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blocks", default="5,7", help="block sizes whose acceptance length is measured")
     ap.add_argument("--speed-block", type=int, default=7, help="block size of the tok/s comparison")
     ap.add_argument("--replayssm", action="store_true", help="ReplaySSM rollback instead of snapshots")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
     blocks = [int(b) for b in args.blocks.split(",")]
-    print(f"threads {args.threads}, concurrency {levels}, max_tokens {args.max_tokens}, repeats {args.repeats}")
+    print(
+        f"threads {args.threads}, {args.dtype}, concurrency {levels}, max_tokens {args.max_tokens}, "
+        f"repeats {args.repeats}"
+    )
 
-    common = dict(dtype="float32", max_total_tokens=65536, max_model_len=4096, num_threads=args.threads)
+    exact = args.dtype == "float32"
+    common = dict(dtype=args.dtype, max_total_tokens=65536, max_model_len=4096, num_threads=args.threads)
     spec = dict(speculative_algorithm="dflash", enable_linear_replayssm_spec=args.replayssm)
 
     # Acceptance length per block size (greedy: it does not depend on the batch), outputs checked against plain.
     prompts = chat_prompts(HELD_OUT_SEED, 32)
     plain_llm = LLM(None, max_running_requests=32, **common)
     _, _, want = run(plain_llm, prompts, args.max_tokens)
-    acceptance = {}
+    acceptance, identical = {}, {}
     for b in blocks:
         llm = LLM(None, max_running_requests=32, speculative_num_draft_tokens=b, **spec, **common)
         _, _, got = run(llm, prompts, args.max_tokens)
-        assert got == want, f"block {b}: speculative output differs from plain greedy"
+        same = sum(g == w for g, w in zip(got, want))
+        assert same == len(want) or not exact, f"block {b}: speculative output differs from plain greedy"
+        identical[b] = same
         acceptance[b] = llm.engine.spec.stats()["spec_accept_length"]
-        print(f"block {b}: acceptance length {acceptance[b]:.3f} over {llm.engine.spec.num_verify_steps} blocks")
+        print(
+            f"block {b}: acceptance length {acceptance[b]:.3f} over {llm.engine.spec.num_verify_steps} blocks; "
+            f"{same}/{len(want)} outputs identical to plain greedy"
+        )
 
     rows = []
     for c in levels:
-        batch = chat_prompts(HELD_OUT_SEED + c, c * args.rounds)
+        batch = chat_prompts(HELD_OUT_SEED + c, max(c * args.rounds, args.min_prompts))
         engines = {
             "plain": LLM(None, max_running_requests=c, **common),
             "dflash": LLM(
@@ -84,7 +97,7 @@ def main() -> None:
             for name, llm in engines.items():
                 seconds, tokens, outputs[name] = run(llm, batch, args.max_tokens)
                 tps[name].append(tokens / seconds)
-        assert outputs["plain"] == outputs["dflash"], f"concurrency {c}: outputs differ"
+        assert outputs["plain"] == outputs["dflash"] or not exact, f"concurrency {c}: outputs differ"
         plain, fast = statistics.median(tps["plain"]), statistics.median(tps["dflash"])
         accept = engines["dflash"].engine.spec.stats()["spec_accept_length"]
         rows.append(
@@ -108,6 +121,8 @@ def main() -> None:
         args.out,
         "speculative",
         acceptance_length={str(b): round(a, 3) for b, a in acceptance.items()},
+        identical_outputs={str(b): f"{n}/{len(prompts)}" for b, n in identical.items()},
+        dtype=args.dtype,
         speed_block=args.speed_block,
         replayssm=args.replayssm,
         max_tokens=args.max_tokens,

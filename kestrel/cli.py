@@ -190,7 +190,15 @@ def cmd_train_dflash(args: argparse.Namespace) -> int:
     from kestrel.train.dflash import run_dflash
 
     out = Path(args.out or "out/dflash-mini")
-    trainer = run_dflash(args.target, out, steps=args.steps, max_minutes=args.max_minutes, ship=args.ship)
+    trainer = run_dflash(
+        args.target,
+        out,
+        steps=args.steps,
+        max_minutes=args.max_minutes,
+        ship=args.ship,
+        num_prompts=args.num_prompts,
+        init_draft=args.init_draft,
+    )
     state = trainer.state
     print(
         f"trained {state.step} steps in {state.seconds / 60:.1f} min (+{state.data_seconds / 60:.1f} min of target "
@@ -398,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=None)
     tr.add_argument("--max-minutes", type=float, default=None)
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default (model or draft)")
+    tr.add_argument("--num-prompts", type=int, default=None, help="dflash: prompts whose target answers are distilled")
+    tr.add_argument("--init-draft", default=None, help="dflash: start from this draft's weights (e.g. the shipped one)")
     tr.set_defaults(func=cmd_train)
 
     from kestrel.train.recipes import RL_RECIPES

@@ -49,3 +49,32 @@ def test_dflash_trainer_learns_resumes_and_writes_a_loadable_draft(tiny_checkpoi
     hidden = dict(zip(draft.cfg.target_layer_ids, resumed.hidden[3].float().chunk(len(draft.cfg.target_layer_ids), -1)))
     loss, accept = block_loss(draft, seq, hidden, [plen - 1], 4, 4.0)
     assert loss.isfinite() and 1 <= float(accept[0]) <= 4
+
+
+def test_warm_start_begins_from_the_given_draft_and_refuses_another_target(tiny_checkpoints, tmp_path):
+    """--init-draft: step 0 holds the given draft's weights (same held-out acceptance), then trains on; a draft of
+    another target (or shape) is refused by the field that differs."""
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from kestrel.spec.draft import save_draft
+
+    target = tiny_checkpoints["kimi_k3"]
+    first = DFlashTrainer(target, tmp_path / "first", _cfg(4))
+    first.train()
+    warm = DFlashTrainer(
+        target, tmp_path / "warm", dataclasses.replace(_cfg(2), init_draft=str(first.out / "checkpoint"))
+    )
+    for (name, a), b in zip(warm.draft.named_parameters(), first.draft.parameters()):
+        assert torch.equal(a, b), name
+    assert warm.evaluate() == pytest.approx(first.evaluate())
+    warm.train()
+    assert warm.state.step == 2
+    other = tmp_path / "other"
+    save_draft(first.draft, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(cfg | {"target_sha256": "0" * 64}))
+    with pytest.raises(ValueError, match="target_sha256"):
+        DFlashTrainer(target, tmp_path / "refused", dataclasses.replace(_cfg(2), init_draft=str(other)))

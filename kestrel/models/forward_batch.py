@@ -73,18 +73,6 @@ class Replay(Protocol):
 
 
 @dataclass
-class PrefillPhase:
-    """One padded KDA call: segment [starts[i], starts[i] + lens[i]) of each sequence in `seqs`, all at once
-    (ReplaySSM replays accepted verify tokens this way; the forward itself uses `PackedPrefill`)."""
-
-    seqs: list[int]
-    starts: list[int]
-    lens: list[int]
-    rows: torch.Tensor  # flat token rows of the segments, in order
-    snapshot: list[int | None]  # per sequence: index into state_snapshots[seq] taken after this segment, or None
-
-
-@dataclass
 class PackedPrefill:
     """Where the prefill sequences' tokens go in the two varlen layouts KDA uses, built once per batch.
 

@@ -16,7 +16,7 @@ from kestrel.cache.state_pool import StateStorage, state_bytes_per_slot
 from kestrel.config import ModelConfig
 from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.models.decoder import CausalLM
-from kestrel.models.forward_batch import ForwardBatch, PrefillPhase
+from kestrel.models.forward_batch import ForwardBatch
 
 
 def snapshot_bytes_per_request(cfg: ModelConfig, block: int, conv_dtype: torch.dtype) -> int:
@@ -71,8 +71,8 @@ class ReplayRollback:
 
     @torch.inference_mode()
     def commit(self, states: StateStorage, items: list[tuple[int, ScheduledChunk, int]], batch: ForwardBatch) -> None:
-        """One padded prefill call per KDA layer over each block's accepted tokens, from the committed states
-        (padding has β = 0 and g = 0, so a shorter prefix ends at its own state)."""
+        """One short-segment call per KDA layer over each block's accepted tokens, from the committed states
+        (every block accepts at least one token: the target's own)."""
         if not items or states is None:
             return
         device = next(iter(states.conv.values())).device
@@ -80,10 +80,9 @@ class ReplayRollback:
         starts = [batch.seq_slice(seq).start for seq, _, _ in items]
         lens = [accepted for _, _, accepted in items]
         rows = torch.tensor([r for s, n in zip(starts, lens) for r in range(s, s + n)], device=device)
-        phase = PrefillPhase(list(range(len(items))), [0] * len(items), lens, rows, [None] * len(items))
         for layer, attn in self.layers.items():
             mixed, g, beta = batch.kda_inputs[layer]
-            committed = states.conv[layer][slots], states.recurrent[layer][slots]
-            _, conv, rec = attn.prefill(mixed, g, beta, phase, *committed)
+            committed = states.conv[layer].index_select(0, slots), states.recurrent[layer].index_select(0, slots)
+            conv, rec = attn.replay(mixed, g, beta, rows, lens, *committed)
             states.conv[layer].index_copy_(0, slots, conv)
             states.recurrent[layer].index_copy_(0, slots, rec)

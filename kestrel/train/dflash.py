@@ -56,6 +56,9 @@ class DFlashTrainConfig:
     eval_every: int = 200
     save_every: int = 100
     max_minutes: float | None = None
+    # Start from this draft's weights (continued distillation on new data) instead of random ones; its target hash
+    # must be the target's.
+    init_draft: str | None = None
 
 
 @dataclass
@@ -151,6 +154,8 @@ class DFlashTrainer:
             for p in self.draft.parameters():
                 if p.dim() >= 2:
                     p.normal_(0, 0.02)
+        if cfg.init_draft is not None:
+            self._init_from(Path(cfg.init_draft))
         self.optimizer = torch.optim.AdamW(
             [p for p in self.draft.parameters()], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
@@ -161,6 +166,16 @@ class DFlashTrainer:
         self.held_out = list(range(cfg.held_out_prompts))
         self.train_set = list(range(cfg.held_out_prompts, len(self.data)))
         self._resume()
+
+    def _init_from(self, path: Path) -> None:
+        """Warm start: the given draft's weights (same shape and target), trained further on this run's data."""
+        given = json.loads((path / "config.json").read_text())
+        ours = asdict(self.draft.cfg)
+        for key in ("target_sha256", "hidden_size", "num_hidden_layers", "target_layer_ids", "block_size"):
+            if given.get(key) != ours.get(key):
+                raise ValueError(f"init_draft: {key} is {given.get(key)!r}, this run needs {ours.get(key)!r}")
+        load_weights(self.draft, path)
+        log.info("warm start from %s", path)
 
     def _data(self) -> list[tuple[list[int], int]]:
         """Target answers to the prompts, generated once and kept in the output folder (resumable)."""
@@ -326,8 +341,9 @@ def run_dflash(
     max_minutes: float | None = None,
     ship: bool = False,
     num_prompts: int | None = None,
+    init_draft: str | None = None,
 ) -> DFlashTrainer:
-    cfg = DFlashTrainConfig()
+    cfg = DFlashTrainConfig(init_draft=init_draft)
     if steps is not None:
         cfg.steps = steps
     if max_minutes is not None:

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, PrefillPhase
+from kestrel.models.forward_batch import ForwardBatch, PackedPrefill
 from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.constants import fp32_scalar
 from kestrel.models.layers.derived import derived
 from kestrel.models.layers.hookless import HooklessModule
-from kestrel.models.layers.kda_ops import kda_chunked, kda_chunked_packed, kda_step, kda_steps, l2_normalize
+from kestrel.models.layers.kda_ops import kda_chunked_packed, kda_step, kda_steps, l2_normalize
 from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
 from kestrel.models.weight_loaders import reshape_loader, set_loader, stacked_loader
@@ -102,19 +102,29 @@ class KDAAttention(HooklessModule):
         if nd == n:
             o, conv_state, rec_state = self.decode(mixed, g, beta, conv_state, rec_state)
         else:
-            o = mixed.new_empty(mixed.shape[0], self.n_heads, self.head_dim, dtype=torch.float32)
+            o = mixed.new_empty(nd, self.n_heads, self.head_dim, dtype=torch.float32)
             if nd:
                 o[:nd], conv_state[:nd], rec_state[:nd] = self.decode(
                     mixed[:nd], g[:nd], beta[:nd], conv_state[:nd], rec_state[:nd]
                 )
-            packed = batch.packed_prefill(CHUNK_SIZE, self.kernel - 1)
+            lens = batch.extend_lens[nd:]
             # Out of place: training backpropagates through the initial states read here.
-            out, conv_p, rec_p = self.prefill_packed(
-                mixed[nd:], g[nd:], beta[nd:], packed, conv_state[nd:], rec_state[nd:], cache
-            )
-            o, conv_state, rec_state = (
-                torch.cat([a[:nd], b]) for a, b in ((o, out), (conv_state, conv_p), (rec_state, rec_p))
-            )
+            if max(lens) <= RECURRENT_MAX_TOKENS:  # verify blocks, short prompts joining a decode step
+                snaps = batch.state_snapshots[nd:] if batch.state_snapshots else None
+                out, conv_p, rec_p = self.short_segments(
+                    mixed[nd:], g[nd:], beta[nd:], lens, conv_state[nd:], rec_state[nd:], snaps, cache, nd
+                )
+            else:
+                packed = batch.packed_prefill(CHUNK_SIZE, self.kernel - 1)
+                out, conv_p, rec_p = self.prefill_packed(
+                    mixed[nd:], g[nd:], beta[nd:], packed, conv_state[nd:], rec_state[nd:], cache
+                )
+            if nd:
+                o, conv_state, rec_state = (
+                    torch.cat([a[:nd], b]) for a, b in ((o, out), (conv_state, conv_p), (rec_state, rec_p))
+                )
+            else:  # nothing decodes this step (a lone verify block or prompt): no copies
+                o, conv_state, rec_state = out, conv_p, rec_p
         if cache is not None:
             cache.store_state(self.layer_id, conv_state, rec_state)
         return self._output(o, gate, x.dtype)
@@ -201,30 +211,76 @@ class KDAAttention(HooklessModule):
         at = {t: i for i, t in enumerate(ends)}
         return o, [kept[at[t]][seq] for seq, t in zip(packed.segment_seq, packed.segment_last_token)]
 
-    def prefill(self, mixed, g, beta, phase: PrefillPhase, conv_state, rec_state):
-        """One segment of each of several sequences in one right-padded call, each from its own states.
+    def short_segments(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        lens: list[int],
+        conv_state: torch.Tensor,
+        rec_state: torch.Tensor,
+        snapshots: list[list[int]] | None = None,
+        cache=None,
+        first_seq: int = 0,
+    ):
+        """Segments of at most RECURRENT_MAX_TOKENS tokens, one per sequence, each from its own states, in a
+        right-padded [b, L] layout built from the lengths alone (no varlen layouts): the conv over each sequence's
+        cached inputs and its tokens, then the token loop. Same arithmetic as the packed path's recurrent branch, in
+        far fewer ops (a verify block's KDA layer took ~2 ms through the packed layouts at batch 1).
 
-        Trailing padding has zero inputs, β = 0 and g = 0: it leaves every real output and the final states unchanged.
-        Returns outputs [tokens, H, V] (the segments' rows in order) and the states after each segment.
+        mixed, g, beta: the segments' rows in order; lens: tokens per sequence. Padding has β = 0 and g = 0, so every
+        sequence's recurrent state stops changing after its last token. snapshots[i]: offsets m in [1, lens[i]]
+        after which sequence first_seq + i's states go to `cache.store_state_snapshots`. Returns outputs
+        [rows, H, V] fp32, the conv states and the recurrent states after each segment.
         """
-        device, width, keep = mixed.device, max(phase.lens), self.kernel - 1
-        if width == 0:  # snapshots at the segments' starts: the states as they are
-            return mixed.new_empty(0, self.n_heads, self.head_dim, dtype=torch.float32), conv_state, rec_state
-        lens = torch.tensor(phase.lens, device=device)
-        real = torch.arange(width, device=device)[None, :] < lens[:, None]  # [b, L]
+        b, width, keep, dim = len(lens), max(lens), self.kernel - 1, self.conv_dim
+        uniform = all(n == width for n in lens)
+        if not uniform:
+            rows = torch.tensor([i * width + t for i, n in enumerate(lens) for t in range(n)], device=mixed.device)
 
-        def pad(flat: torch.Tensor) -> torch.Tensor:
-            out = flat.new_zeros(real.shape + flat.shape[1:])
-            out[real] = flat[phase.rows]
-            return out
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            if not uniform:
+                t = t.new_zeros(b * width, *t.shape[1:]).index_copy(0, rows, t)
+            return t.view(b, width, *t.shape[1:])
 
-        conv_in = torch.cat([conv_state.to(mixed.dtype), pad(mixed).transpose(1, 2)], dim=-1)  # [b, 3C, keep + L]
-        conv = F.silu(F.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)  # [b, L, 3C]
-        # The conv state after a segment: its last keep inputs, at conv_in[:, :, len : len + keep].
-        at = (lens[:, None] + torch.arange(keep, device=device))[:, None, :].expand(-1, self.conv_dim, -1)
-        q, k, v = self._qkv(conv)
-        if width <= RECURRENT_MAX_TOKENS:
-            o, state, _ = kda_steps(q, k, v, pad(g), pad(beta), rec_state)
+        x = torch.cat([conv_state.to(mixed.dtype).transpose(1, 2), pad(mixed)], dim=1)  # [b, keep + L, 3C]
+        w = self.conv1d.weight.squeeze(1)
+        conv = x[:, :width] * w[:, 0]
+        for j in range(1, self.kernel):
+            conv = conv.addcmul(x[:, j : j + width], w[:, j])
+        q, k, v = self._qkv(F.silu(conv))
+        wanted = sorted({m - 1 for offsets in snapshots or () for m in offsets or ()})
+        o, state, kept = kda_steps(q, k, v, pad(g), pad(beta), rec_state, wanted)
+        o = o.reshape(b * width, *o.shape[2:])
+        if not uniform:
+            o = o[rows]
+
+        def conv_after(seqs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:  # states after `ends` tokens
+            at = ends[:, None] + torch.arange(keep, device=x.device)
+            picked = x.index_select(0, seqs).gather(1, at[:, :, None].expand(-1, -1, dim))
+            return picked.transpose(1, 2).to(conv_state.dtype)
+
+        if uniform:
+            conv_final = x[:, width:].transpose(1, 2).to(conv_state.dtype)
         else:
-            o, state = kda_chunked(q, k, v, pad(g), pad(beta), rec_state)
-        return o[real], conv_in.gather(2, at).to(conv_state.dtype), state
+            conv_final = conv_after(torch.arange(b, device=x.device), torch.tensor(lens, device=x.device))
+        if wanted:
+            at = {t: i for i, t in enumerate(wanted)}
+            seqs, indices, ends, states = [], [], [], []
+            for i, offsets in enumerate(snapshots):
+                for index, m in enumerate(offsets or ()):
+                    seqs.append(i)
+                    indices.append(index)
+                    ends.append(m)
+                    states.append(kept[at[m - 1]][i])
+            convs = conv_after(torch.tensor(seqs, device=x.device), torch.tensor(ends, device=x.device))
+            cache.store_state_snapshots(
+                self.layer_id, [first_seq + i for i in seqs], indices, convs, torch.stack(states)
+            )
+        return o, conv_final, state
+
+    def replay(self, mixed, g, beta, rows: torch.Tensor, lens: list[int], conv_state, rec_state):
+        """ReplaySSM: `lens[i]` tokens of sequence i (flat `rows` of the given inputs, in order) from its committed
+        states; returns the conv and recurrent states after them."""
+        pick = lambda t: t.index_select(0, rows)  # noqa: E731
+        return self.short_segments(pick(mixed), pick(g), pick(beta), lens, conv_state, rec_state)[1:]
