@@ -87,8 +87,6 @@ def test_replay_from_committed_states_equals_the_prefix_alone():
         conv_r, rec_r = layer.replay(mixed, g, beta, rows, accepted, conv0, rec0)
         for i, (start, n) in enumerate([(0, 3), (7, 7)]):
             sl = slice(start, start + n)
-            _, conv_n, rec_n = layer.short_segments(
-                mixed[sl], g[sl], beta[sl], [n], conv0[i : i + 1], rec0[i : i + 1]
-            )
+            _, conv_n, rec_n = layer.short_segments(mixed[sl], g[sl], beta[sl], [n], conv0[i : i + 1], rec0[i : i + 1])
             assert torch.equal(conv_r[i], conv_n[0])
             assert torch.equal(rec_r[i], rec_n[0])
