@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
+import pytest
+import torch
 
 from kestrel.models.checkpoint import text_weights_sha256
 from kestrel.models.loader import load_model
-from kestrel.spec.draft import load_draft
+from kestrel.spec.draft import load_draft, save_draft
 from kestrel.train.dflash import DFlashTrainConfig, DFlashTrainer, block_loss
 
 
@@ -54,13 +58,6 @@ def test_dflash_trainer_learns_resumes_and_writes_a_loadable_draft(tiny_checkpoi
 def test_warm_start_begins_from_the_given_draft_and_refuses_another_target(tiny_checkpoints, tmp_path):
     """--init-draft: step 0 holds the given draft's weights (same held-out acceptance), then trains on; a draft of
     another target (or shape) is refused by the field that differs."""
-    import dataclasses
-
-    import pytest
-    import torch
-
-    from kestrel.spec.draft import save_draft
-
     target = tiny_checkpoints["kimi_k3"]
     first = DFlashTrainer(target, tmp_path / "first", _cfg(4))
     first.train()

@@ -102,9 +102,8 @@ class KDAAttention(HooklessModule):
         if nd == n:
             o, conv_state, rec_state = self.decode(mixed, g, beta, conv_state, rec_state)
         else:
-            o = mixed.new_empty(nd, self.n_heads, self.head_dim, dtype=torch.float32)
             if nd:
-                o[:nd], conv_state[:nd], rec_state[:nd] = self.decode(
+                o_decode, conv_state[:nd], rec_state[:nd] = self.decode(
                     mixed[:nd], g[:nd], beta[:nd], conv_state[:nd], rec_state[:nd]
                 )
             lens = batch.extend_lens[nd:]
@@ -121,7 +120,7 @@ class KDAAttention(HooklessModule):
                 )
             if nd:
                 o, conv_state, rec_state = (
-                    torch.cat([a[:nd], b]) for a, b in ((o, out), (conv_state, conv_p), (rec_state, rec_p))
+                    torch.cat([a[:nd], b]) for a, b in ((o_decode, out), (conv_state, conv_p), (rec_state, rec_p))
                 )
             else:  # nothing decodes this step (a lone verify block or prompt): no copies
                 o, conv_state, rec_state = out, conv_p, rec_p
@@ -282,5 +281,5 @@ class KDAAttention(HooklessModule):
     def replay(self, mixed, g, beta, rows: torch.Tensor, lens: list[int], conv_state, rec_state):
         """ReplaySSM: `lens[i]` tokens of sequence i (flat `rows` of the given inputs, in order) from its committed
         states; returns the conv and recurrent states after them."""
-        pick = lambda t: t.index_select(0, rows)  # noqa: E731
-        return self.short_segments(pick(mixed), pick(g), pick(beta), lens, conv_state, rec_state)[1:]
+        mixed, g, beta = (t.index_select(0, rows) for t in (mixed, g, beta))
+        return self.short_segments(mixed, g, beta, lens, conv_state, rec_state)[1:]
