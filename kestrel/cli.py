@@ -448,10 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
     rl.set_defaults(func=cmd_rl)
 
     ev = add_command(
-        sub, "eval", "held-out accuracy per category (default: the built-in model): arithmetic, tool calling, vision"
+        sub,
+        "eval",
+        "held-out accuracy per category (default: the built-in model): arithmetic, tool calling, copying, vision",
     )
     ev.add_argument("model", nargs="?", default=None)
-    tasks = ["arithmetic", "tools", "vision", "probes", "all"]
+    tasks = ["arithmetic", "tools", "copy", "vision", "probes", "all"]
     ev.add_argument(
         "--task", required=True, choices=tasks, help="probes: the failures issue 18 reported; all: the text tasks"
     )

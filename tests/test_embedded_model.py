@@ -87,3 +87,15 @@ def test_eval_command_writes_the_issue_probes_as_json(tmp_path):
         got = tool_calls(row["output"]) == [want] if isinstance(want, tuple) else final_answer(row["output"]) == want
         assert row["right"] == got and row["output"]
     assert rows[-1]["right"]  # the shipped model answers "What is 15% of 240?" with 36 (its weather probes fail)
+
+
+def test_eval_command_scores_copying_of_fresh_spans(tmp_path):
+    import json
+
+    from kestrel.cli import main
+
+    out = tmp_path / "scores.json"
+    assert main(["eval", "--task", "copy", "-n", "6", "--json", str(out)]) == 0
+    scores = json.loads(out.read_text())["copy"]
+    assert set(scores) == {"copy_random", "copy_random:in_reasoning"}
+    assert all(0.0 <= v <= 1.0 for v in scores.values())

@@ -10,11 +10,12 @@ import re
 import pytest
 
 from kestrel.chat_template import render_chat
-from kestrel.train.data import COPY_DRILLS, HELD_OUT, MINI_MIX, TRAIN, Episode, Source, episodes
+from kestrel.train.data import COPY_DRILLS, HELD_OUT, MINI_MIX, RANDOM_COPY_DRILLS, TRAIN, Episode, Source, episodes
 from kestrel.train.evaluate import (
     CATEGORIES,
     PLACE_SLOTS,
     arithmetic_cases,
+    copy_scores,
     tool_call_correct,
     tool_calls,
     tool_cases,
@@ -259,3 +260,32 @@ def test_copy_drills_reply_with_the_verbatim_span_and_keep_the_train_held_out_sp
     held_places = {p for p in REAL_PLACES if place_split(p) == HELD_OUT} | cities(held)
     pattern = re.compile(r"\b(?:" + "|".join(re.escape(p) for p in sorted(held_places, key=len, reverse=True)) + r")\b")
     assert [m.group() for text in _rendered(train) for m in [pattern.search(text)] if m] == []
+
+
+def test_random_span_drills_use_fresh_pseudo_words_and_split_their_phrasings():
+    train, held = episodes(4, 2000, (RANDOM_COPY_DRILLS,)), episodes(5, 500, (RANDOM_COPY_DRILLS,), HELD_OUT)
+    assert RANDOM_COPY_DRILLS not in MINI_MIX  # a probe of the skill, not part of the embedded model's data
+    for ep in train + held:
+        span = ep.answer
+        words = span.split(" ")
+        assert 1 <= len(words) <= 3 and all(w.isalpha() for w in words)
+        assert span in ep.messages[0]["content"] and ep.messages[1]["content"] == span
+        assert ep.messages[1]["reasoning_content"] == f"The user wants {span} repeated."
+    # Nothing to memorise: spans practically never repeat, within or across the splits.
+    spans = [ep.answer for ep in train + held]
+    assert len(set(spans)) >= 0.99 * len(spans)
+    train_templates, held_templates = copying.TEMPLATES
+    assert {ep.meta["template"] for ep in train} == set(train_templates)
+    assert {ep.meta["template"] for ep in held} == set(held_templates)
+
+
+def test_copy_scores_count_exact_replies_and_reasoning_repeats():
+    cases = episodes(6, 4, (RANDOM_COPY_DRILLS,), HELD_OUT)
+    span = [ep.answer for ep in cases]
+    outputs = [
+        f"<think>The user wants {span[0]} repeated.</think>{span[0]}",  # both right
+        f"<think>The user wants {span[1]} repeated.</think>{span[1]}x",  # reply has an extra letter
+        f"<think>The user wants {span[2]}s repeated.</think> {span[2]} ",  # reply right (whitespace), reasoning wrong
+        f"<think>The user wants {span[0]} repeated.</think>{span[0]}",  # another case's span
+    ]
+    assert copy_scores(cases, outputs) == {"copy_random": 0.5, "copy_random:in_reasoning": 0.5}

@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kestrel.train.synth.arithmetic import arithmetic_episode
-from kestrel.train.synth.copying import copy_episode
+from kestrel.train.synth.copying import copy_episode, random_span_episode
 from kestrel.train.synth.episode import HELD_OUT, TRAIN, Episode, check_split
 from kestrel.train.synth.smalltalk import smalltalk_episode
 from kestrel.train.synth.tools import tool_episode
 
-__all__ = ["COPY_DRILLS", "HELD_OUT", "MINI_MIX", "TRAIN", "Episode", "Source", "episodes"]
+__all__ = ["COPY_DRILLS", "HELD_OUT", "MINI_MIX", "RANDOM_COPY_DRILLS", "TRAIN", "Episode", "Source", "episodes"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ MINI_MIX: tuple[Source, ...] = (
     Source("smalltalk", 0.08, smalltalk_episode),
 )
 COPY_DRILLS = Source("copy", 0.08, copy_episode)  # "repeat after me": the span-copying skill of a tool call, alone
+RANDOM_COPY_DRILLS = Source("copy_random", 1.0, random_span_episode)  # the same on fresh pseudo-words: copying only
 
 
 def episodes(seed: int, n: int, sources: Sequence[Source] = MINI_MIX, split: str = TRAIN) -> list[Episode]:

@@ -1,5 +1,5 @@
 """Held-out accuracy of a chat model, per category: exact final answers per arithmetic operation, exact tool name
-+ JSON arguments per tool (and no call where no offered tool fits).
++ JSON arguments per tool (and no call where no offered tool fits), and verbatim copies of fresh pseudo-word spans.
 
 Every question uses held-out phrasings and slot values (operand pairs, places, topics, addresses) that the training
 generator never produces, so a score measures generalisation; `n` questions are asked per category.
@@ -18,6 +18,7 @@ from kestrel.chat_template import THINK_END, render_chat
 from kestrel.engine.llm import LLM
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.train.synth.arithmetic import CANONICAL, arithmetic_episode
+from kestrel.train.synth.copying import random_span_episode
 from kestrel.train.synth.episode import HELD_OUT, Episode
 from kestrel.train.synth.places import REAL_PLACES
 from kestrel.train.synth.tool_schemas import tool_schema
@@ -122,6 +123,22 @@ def eval_tools(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED) -> dict[str, f
     return _score(cases, outputs, tool_call_correct)
 
 
+def copy_scores(cases: list[Episode], outputs: list[str]) -> dict[str, float]:
+    """`copy_random`: the reply is exactly the span; `copy_random:in_reasoning`: the reasoning repeats it (the same
+    pieces as in the user turn, where the reply's first piece lacks the leading space)."""
+    reply = [text.split(THINK_END)[-1].strip() == ep.answer for ep, text in zip(cases, outputs)]
+    reasoning = [f"wants {ep.answer} repeated" in text.split(THINK_END)[0] for ep, text in zip(cases, outputs)]
+    return {"copy_random": sum(reply) / len(reply), "copy_random:in_reasoning": sum(reasoning) / len(reasoning)}
+
+
+def eval_copy(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED) -> dict[str, float]:
+    """Verbatim copies of n fresh pseudo-word spans asked in held-out phrasings: the skill a tool call's arguments
+    need, with nothing to memorise."""
+    rng = random.Random(seed + 2)
+    cases = [random_span_episode(rng, HELD_OUT) for _ in range(n)]
+    return copy_scores(cases, _generate(llm, [prompt_text(ep) for ep in cases], 64))
+
+
 def run_probes(llm: LLM) -> list[tuple[str, str, bool]]:
     """(question, model output, right?) for the issue's reported failures."""
     prompts = [
@@ -135,4 +152,8 @@ def run_probes(llm: LLM) -> list[tuple[str, str, bool]]:
     return out
 
 
-EVALS: dict[str, Callable[..., dict[str, float]]] = {"arithmetic": eval_arithmetic, "tools": eval_tools}
+EVALS: dict[str, Callable[..., dict[str, float]]] = {
+    "arithmetic": eval_arithmetic,
+    "tools": eval_tools,
+    "copy": eval_copy,
+}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kestrel.train.data import MINI_MIX, Source
+from kestrel.train.data import MINI_MIX, RANDOM_COPY_DRILLS, Source
 from kestrel.train.grpo import ClipConfig
 from kestrel.train.rl import RLConfig
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, TaskMix
@@ -151,6 +151,21 @@ RECIPES = {
             steps=500, batch_size=16, lr=3e-3, warmup_steps=20, eval_every=125, save_every=50, max_minutes=40
         ),
         vision=VisionMix(episodes=12000),
+    ),
+    # The copy-circuit probe: kestrel-mini's shape on fresh pseudo-word drills only (nothing to memorise), short
+    # sequences in big batches; `kestrel eval --task copy` says whether copying formed (README: figures).
+    "copy-probe": Recipe(
+        "copy-probe",
+        hidden=256,
+        layers=8,
+        experts=8,
+        vocab_target=2048,
+        train_episodes=60000,
+        eval_episodes=64,
+        sft=SFTConfig(
+            steps=3000, batch_size=48, lr=2e-3, warmup_steps=30, eval_every=50, save_every=50, max_minutes=20
+        ),
+        data=(RANDOM_COPY_DRILLS,),
     ),
     # Seconds-scale run for tests.
     "tiny": Recipe(

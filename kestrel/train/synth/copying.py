@@ -3,6 +3,9 @@
 A tool call is mostly a copy of words the model has never seen; these short episodes put that one skill at a high
 density, so the copying circuit forms early in training. Spans come from the tool requests' own slot values, so
 they obey the same train / held-out split.
+
+`random_span_episode` is the probe of that skill alone: its spans are fresh pseudo-words, so nothing can be
+memorised and only copying lowers the loss on the reply.
 """
 
 from __future__ import annotations
@@ -38,6 +41,31 @@ SPAN_SLOTS = {
     "send_email": "to",
     "get_stock_price": "symbol",
 }
+
+
+ONSETS = "b c d f g h k l m n p r s t v w z br tr st pl kr".split()
+VOWELS = "a e i o u ai ou ea".split()
+CODAS = ["", "", "n", "r", "s", "l"]
+
+
+def pseudo_word(rng: random.Random) -> str:
+    """Two or three consonant-vowel syllables and an optional coda ("Brokamel", "zenaitran"): pronounceable, so BPE
+    splits it into ordinary pieces, and one of ~10^7 forms, so a span is practically never seen twice."""
+    word = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) for _ in range(rng.randint(2, 3))) + rng.choice(CODAS)
+    return word.capitalize() if rng.random() < 0.6 else word
+
+
+def random_span_episode(rng: random.Random, split: str = TRAIN) -> Episode:
+    """A drill on one to three fresh pseudo-words; `split` picks the phrasing templates (held-out ones for eval)."""
+    check_split(split)
+    text = " ".join(pseudo_word(rng) for _ in range(rng.randint(1, 3)))
+    template = rng.choice(TEMPLATES[0 if split == TRAIN else 1])
+    messages = [
+        {"role": "user", "content": template.format(text=text)},
+        {"role": "assistant", "reasoning_content": f"The user wants {text} repeated.", "content": text},
+    ]
+    meta = {"category": "copy_random", "template": template, "intent": "copy", "slots": {"text": text}}
+    return Episode("copy", messages, None, None, text, meta)
 
 
 def copy_episode(rng: random.Random, split: str = TRAIN, noise: float = 0.1) -> Episode:
