@@ -141,3 +141,22 @@ def test_bootstrap_server_answers_bad_bodies_with_errors(bootstrap):
     assert httpx.post(url + "/kestrel/pd/echo", json=[1, 2]).status_code == 400
     assert httpx.post(url + "/kestrel/pd/nothing", json={}).status_code == 404
     assert calls == []
+
+
+def test_bootstrap_server_logs_a_peer_that_hangs_up_without_a_traceback(bootstrap, capfd, caplog):
+    import socket
+    import struct
+    import time
+
+    url, server, _ = bootstrap
+    with caplog.at_level("WARNING", logger="kestrel.disagg.bootstrap"):
+        peer = socket.create_connection(("127.0.0.1", server.port))
+        peer.sendall(b"GET /hea")  # mid request line, as a decode worker killed mid-request leaves it
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # linger 0: a reset, not a clean close
+        deadline = time.monotonic() + 5
+        while "hung up" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "hung up (ConnectionResetError)" in caplog.text
+    assert "Traceback" not in capfd.readouterr().err  # what the workers' clean-stop check reads
+    assert httpx.get(url + "/health").text == "OK"  # still serving

@@ -95,7 +95,7 @@ def test_eval_command_scores_copying_of_fresh_spans(tmp_path):
     from kestrel.cli import main
 
     out = tmp_path / "scores.json"
-    assert main(["eval", "--task", "copy", "-n", "6", "--json", str(out)]) == 0
+    assert main(["eval", "--task", "copy", "-n", "2", "--json", str(out)]) == 0
     scores = json.loads(out.read_text())["copy"]
     assert set(scores) == {"copy_random", "copy_random:in_reasoning"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,6 +30,18 @@ RANK_FIELDS += ("pp_size", "pp_rank", "system_dp_size", "system_dp_rank", "rank_
 Handler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 
 
+class _QuietHTTPServer(ThreadingHTTPServer):
+    """A peer that hangs up mid-request (a decode worker stopping or killed) is routine for a bootstrap server:
+    one warning line, not the stdlib's traceback on stderr. Anything else is still logged with its traceback."""
+
+    def handle_error(self, request, client_address) -> None:  # type: ignore[override]
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):
+            log.warning("bootstrap: %s:%s hung up (%s)", *client_address[:2], type(error).__name__)
+        else:
+            log.exception("bootstrap: request from %s:%s failed", *client_address[:2])
+
+
 class BootstrapServer:
     """Serves in a daemon thread from `start()` until `stop()`; `handlers` maps a POST path to a function of the
     JSON body returning (status, JSON answer)."""
@@ -38,7 +51,7 @@ class BootstrapServer:
         self.ranks: dict[tuple[int, int, int, int], dict[str, Any]] = {}  # (dp, cp, tp, pp) -> PUT /route body
         self.layout: dict[str, Any] | None = None
         self._lock = threading.Lock()
-        self._http = ThreadingHTTPServer((host, port), _handler_class(self))
+        self._http = _QuietHTTPServer((host, port), _handler_class(self))
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(
