@@ -3,6 +3,10 @@ the aux row, control-message validation, and the bootstrap server's SGLang route
 
 from __future__ import annotations
 
+import socket
+import struct
+import time
+
 import httpx
 import numpy as np
 import pydantic
@@ -144,10 +148,6 @@ def test_bootstrap_server_answers_bad_bodies_with_errors(bootstrap):
 
 
 def test_bootstrap_server_logs_a_peer_that_hangs_up_without_a_traceback(bootstrap, capfd, caplog):
-    import socket
-    import struct
-    import time
-
     url, server, _ = bootstrap
     with caplog.at_level("WARNING", logger="kestrel.disagg.bootstrap"):
         peer = socket.create_connection(("127.0.0.1", server.port))

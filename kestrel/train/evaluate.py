@@ -18,7 +18,7 @@ from kestrel.chat_template import THINK_END, render_chat
 from kestrel.engine.llm import LLM
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.train.synth.arithmetic import CANONICAL, arithmetic_episode
-from kestrel.train.synth.copying import random_span_episode
+from kestrel.train.synth.copying import drill_reply, random_span_episode
 from kestrel.train.synth.episode import HELD_OUT, Episode
 from kestrel.train.synth.places import REAL_PLACES
 from kestrel.train.synth.tool_schemas import tool_schema
@@ -127,7 +127,9 @@ def copy_scores(cases: list[Episode], outputs: list[str]) -> dict[str, float]:
     """`copy_random`: the reply is exactly the span; `copy_random:in_reasoning`: the reasoning repeats it (the same
     pieces as in the user turn, where the reply's first piece lacks the leading space)."""
     reply = [text.split(THINK_END)[-1].strip() == ep.answer for ep, text in zip(cases, outputs)]
-    reasoning = [f"wants {ep.answer} repeated" in text.split(THINK_END)[0] for ep, text in zip(cases, outputs)]
+    reasoning = [
+        drill_reply(ep.answer)["reasoning_content"] in text.split(THINK_END)[0] for ep, text in zip(cases, outputs)
+    ]
     return {"copy_random": sum(reply) / len(reply), "copy_random:in_reasoning": sum(reasoning) / len(reasoning)}
 
 

@@ -43,6 +43,11 @@ SPAN_SLOTS = {
 }
 
 
+def drill_reply(text: str) -> dict[str, str]:
+    """The assistant turn of every drill: reasoning that names the span, then the span alone."""
+    return {"role": "assistant", "reasoning_content": f"The user wants {text} repeated.", "content": text}
+
+
 ONSETS = "b c d f g h k l m n p r s t v w z br tr st pl kr".split()
 VOWELS = "a e i o u ai ou ea".split()
 CODAS = ["", "", "n", "r", "s", "l"]
@@ -60,10 +65,7 @@ def random_span_episode(rng: random.Random, split: str = TRAIN) -> Episode:
     check_split(split)
     text = " ".join(pseudo_word(rng) for _ in range(rng.randint(1, 3)))
     template = rng.choice(TEMPLATES[0 if split == TRAIN else 1])
-    messages = [
-        {"role": "user", "content": template.format(text=text)},
-        {"role": "assistant", "reasoning_content": f"The user wants {text} repeated.", "content": text},
-    ]
+    messages = [{"role": "user", "content": template.format(text=text)}, drill_reply(text)]
     meta = {"category": "copy_random", "template": template, "intent": "copy", "slots": {"text": text}}
     return Episode("copy", messages, None, None, text, meta)
 
@@ -74,10 +76,7 @@ def copy_episode(rng: random.Random, split: str = TRAIN, noise: float = 0.1) -> 
     tool = rng.choice(list(SPAN_SLOTS))
     text = str(request(rng, split, tool).slots[SPAN_SLOTS[tool]])
     template = rng.choice(TEMPLATES[0 if split == TRAIN else 1])
-    messages = [
-        {"role": "user", "content": fill(template, {"text": text}, rng, noise)},
-        {"role": "assistant", "reasoning_content": f"The user wants {text} repeated.", "content": text},
-    ]
+    messages = [{"role": "user", "content": fill(template, {"text": text}, rng, noise)}, drill_reply(text)]
     effort = rng.choice([None, None, "high", "low"])
     meta = {"category": "copy", "template": template, "intent": "copy", "tool": tool, "slots": {"text": text}}
     return Episode("copy", messages, None, effort, text, meta)
