@@ -12,8 +12,14 @@ from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, TaskMix
 from kestrel.train.sft import SFTConfig
 
 
-def k3_mini_config(vocab_size: int, hidden: int = 256, layers: int = 8, experts: int = 8) -> dict[str, Any]:
-    """A K3.1-shaped config: KDA + DSA (indexer, small top-k), latent MoE, SiTU, AttnRes, MLA output gate."""
+def k3_mini_config(
+    vocab_size: int, hidden: int = 256, layers: int = 8, experts: int = 8, tie_embeddings: bool = False
+) -> dict[str, Any]:
+    """A K3.1-shaped config: KDA + DSA (indexer, small top-k), latent MoE, SiTU, AttnRes, MLA output gate.
+
+    `tie_embeddings` shares the LM head with the embedding: copying a token then needs one identity-like map instead
+    of every output row learning its token separately (benchmarks/copy_circuit.py measures the difference).
+    """
     full = [i for i in range(1, layers + 1) if i % 4 == 0]
     text = {
         "model_type": "kimi_k3_text",
@@ -48,7 +54,7 @@ def k3_mini_config(vocab_size: int, hidden: int = 256, layers: int = 8, experts:
         "activation_situ_linear_beta": 8.0,
         "attn_res_block_size": 2,
         "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tie_embeddings,
         "model_max_length": 4096,
         "pad_token_id": 0,
         "bos_token_id": 1,
@@ -67,7 +73,7 @@ def k3_mini_config(vocab_size: int, hidden: int = 256, layers: int = 8, experts:
         "architectures": ["KimiK3ForConditionalGeneration"],
         "text_config": text,
         "vision_config": None,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tie_embeddings,
     }
 
 
@@ -114,6 +120,7 @@ class Recipe:
     sft: SFTConfig = field(default_factory=SFTConfig)
     data: tuple[Source, ...] = MINI_MIX  # the weighted text episode sources; add one to widen the mix
     vision: VisionMix | None = None  # the visual task and its tower, added on top of the text mix
+    tie_embeddings: bool = False  # LM head = embedding (copying forms far sooner: benchmarks/copy_circuit.py)
 
 
 RECIPES = {
@@ -166,6 +173,21 @@ RECIPES = {
             steps=3000, batch_size=48, lr=2e-3, warmup_steps=30, eval_every=50, save_every=50, max_minutes=20
         ),
         data=(RANDOM_COPY_DRILLS,),
+    ),
+    # The same probe with the LM head tied to the embedding, the arm benchmarks/copy_circuit.py points to.
+    "copy-probe-tied": Recipe(
+        "copy-probe-tied",
+        hidden=256,
+        layers=8,
+        experts=8,
+        vocab_target=2048,
+        train_episodes=60000,
+        eval_episodes=64,
+        sft=SFTConfig(
+            steps=3000, batch_size=48, lr=2e-3, warmup_steps=30, eval_every=50, save_every=50, max_minutes=20
+        ),
+        data=(RANDOM_COPY_DRILLS,),
+        tie_embeddings=True,
     ),
     # Seconds-scale run for tests.
     "tiny": Recipe(

@@ -52,7 +52,7 @@ def run_sft(
         tok_dir.mkdir(parents=True, exist_ok=True)
         save_tokenizer(tok, tok_dir)
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    config = k3_mini_config(vocab, recipe.hidden, recipe.layers, recipe.experts)
+    config = k3_mini_config(vocab, recipe.hidden, recipe.layers, recipe.experts, recipe.tie_embeddings)
     if recipe.vision is not None:
         config = with_vision_tower(config, recipe.vision, tok.token_to_id(MEDIA_PAD))
     trainer = SFTTrainer(config, tok, train, held_out, recipe.sft, out)

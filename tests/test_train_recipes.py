@@ -1,0 +1,35 @@
+"""Recipe model configs: the tied-embedding option builds, trains and round-trips through safetensors tied."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.config import model_config_from_dict
+from kestrel.models.checkpoint import init_random_, save_checkpoint
+from kestrel.models.loader import build_model, load_weights
+from kestrel.train.recipes import RECIPES, k3_mini_config
+from kestrel.train.sft import lm_loss, packed_batch
+
+
+def test_tied_config_shares_head_and_survives_save_load(tmp_path) -> None:
+    config = k3_mini_config(128, hidden=64, layers=4, experts=4, tie_embeddings=True)
+    model = init_random_(build_model(model_config_from_dict(config), torch.float32), 0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = [1, 9, 10, 11, 3, 9, 10, 11]
+    batch, targets = packed_batch([(ids, [False] * 5 + [True] * 3)], model.device)
+    lm_loss(model, batch, targets).backward()
+    assert model.model.embed_tokens.weight.grad is not None  # the head's gradient lands on the shared table
+    save_checkpoint(model, config, tmp_path)
+    fresh = build_model(model_config_from_dict(config), torch.float32)
+    load_weights(fresh, tmp_path)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    torch.testing.assert_close(fresh.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+
+
+def test_untied_by_default_and_probe_arms_differ_only_in_tying() -> None:
+    untied = model_config_from_dict(k3_mini_config(128, hidden=64, layers=4, experts=4))
+    assert not untied.tie_word_embeddings
+    probe, tied = RECIPES["copy-probe"], RECIPES["copy-probe-tied"]
+    assert not probe.tie_embeddings and tied.tie_embeddings
+    assert (probe.hidden, probe.layers, probe.data, probe.sft) == (tied.hidden, tied.layers, tied.data, tied.sft)
+    assert probe.sft is not tied.sft  # run_sft edits a recipe's SFTConfig in place
