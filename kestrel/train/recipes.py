@@ -123,6 +123,25 @@ class Recipe:
     tie_embeddings: bool = False  # LM head = embedding (copying forms far sooner: benchmarks/copy_circuit.py)
 
 
+def copy_probe(name: str, tie_embeddings: bool) -> Recipe:
+    """kestrel-mini's shape on fresh pseudo-word drills only, short sequences in big batches (own SFTConfig each:
+    `run_sft` edits it in place)."""
+    return Recipe(
+        name,
+        hidden=256,
+        layers=8,
+        experts=8,
+        vocab_target=2048,
+        train_episodes=60000,
+        eval_episodes=64,
+        sft=SFTConfig(
+            steps=3000, batch_size=48, lr=2e-3, warmup_steps=30, eval_every=50, save_every=50, max_minutes=20
+        ),
+        data=(RANDOM_COPY_DRILLS,),
+        tie_embeddings=tie_embeddings,
+    )
+
+
 RECIPES = {
     # The embedded model: trained by `kestrel train sft --recipe mini` within 40 minutes on 2 CPU cores.
     "mini": Recipe(
@@ -161,34 +180,9 @@ RECIPES = {
     ),
     # The copy-circuit probe: kestrel-mini's shape on fresh pseudo-word drills only (nothing to memorise), short
     # sequences in big batches; `kestrel eval --task copy` says whether copying formed (README: figures).
-    "copy-probe": Recipe(
-        "copy-probe",
-        hidden=256,
-        layers=8,
-        experts=8,
-        vocab_target=2048,
-        train_episodes=60000,
-        eval_episodes=64,
-        sft=SFTConfig(
-            steps=3000, batch_size=48, lr=2e-3, warmup_steps=30, eval_every=50, save_every=50, max_minutes=20
-        ),
-        data=(RANDOM_COPY_DRILLS,),
-    ),
+    "copy-probe": copy_probe("copy-probe", tie_embeddings=False),
     # The same probe with the LM head tied to the embedding, the arm benchmarks/copy_circuit.py points to.
-    "copy-probe-tied": Recipe(
-        "copy-probe-tied",
-        hidden=256,
-        layers=8,
-        experts=8,
-        vocab_target=2048,
-        train_episodes=60000,
-        eval_episodes=64,
-        sft=SFTConfig(
-            steps=3000, batch_size=48, lr=2e-3, warmup_steps=30, eval_every=50, save_every=50, max_minutes=20
-        ),
-        data=(RANDOM_COPY_DRILLS,),
-        tie_embeddings=True,
-    ),
+    "copy-probe-tied": copy_probe("copy-probe-tied", tie_embeddings=True),
     # Seconds-scale run for tests.
     "tiny": Recipe(
         "tiny",
