@@ -404,7 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--stage", default="mini", choices=list(VISION_STAGES), help="vision: tower size and schedule")
     tr.add_argument("--out", default=None, help="default: out/sft-mini, out/dflash-mini or out/vision-mini")
     tr.add_argument("--steps", type=int, default=None)
-    tr.add_argument("--max-minutes", type=float, default=None)
+    tr.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="time budget over all legs of a resumed run (default: the recipe's)",
+    )
     tr.add_argument("--ship", action="store_true", help="install the result as the embedded default (model or draft)")
     tr.add_argument("--num-prompts", type=int, default=None, help="dflash: prompts whose target answers are distilled")
     tr.add_argument("--init-draft", default=None, help="dflash: start from this draft's weights (e.g. the shipped one)")

@@ -34,3 +34,13 @@ def test_untied_by_default_and_probe_arms_differ_only_in_tying() -> None:
     assert not probe.tie_embeddings and tied.tie_embeddings
     assert (probe.hidden, probe.layers, probe.data, probe.sft) == (tied.hidden, tied.layers, tied.data, tied.sft)
     assert probe.sft is not tied.sft  # run_sft edits a recipe's SFTConfig in place
+
+
+def test_mini_tied_is_mini_plus_the_three_copy_fixes() -> None:
+    mini, tied = RECIPES["mini"], RECIPES["mini-tied"]
+    assert not mini.tie_embeddings and tied.tie_embeddings
+    assert mini.sft.dense_warmup_steps == 0 and tied.sft.dense_warmup_steps > 0
+    assert tied.data[: len(mini.data)] == mini.data and [s.name for s in tied.data[len(mini.data) :]] == ["copy_random"]
+    same = ("hidden", "layers", "experts", "vocab_target", "train_episodes", "eval_episodes")
+    assert [getattr(mini, f) for f in same] == [getattr(tied, f) for f in same]
+    assert tied.sft is not mini.sft and (tied.sft.steps, tied.sft.max_minutes) == (mini.sft.steps, mini.sft.max_minutes)

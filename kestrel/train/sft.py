@@ -52,6 +52,10 @@ class SFTConfig:
     save_every: int = 200
     bias_update_rate: float = 1e-3
     indexer_loss_weight: float = 0.1
+    # DSA layers attend densely for this many first steps while their indexers distil the dense attention: a fresh
+    # indexer's top-k is near random, so sparse attention from step 0 hides what a copy must read (a tool call's
+    # argument in the user turn ~250 tokens back) and attention cannot learn to look for it.
+    dense_warmup_steps: int = 0
     max_minutes: float | None = None
     save_dtype: str = "float32"
     # LLaVA stage 1: only the vision tower and projector learn; the text model stays bit for bit (in eval mode:
@@ -139,6 +143,13 @@ def indexer_loss(model: CausalLM) -> torch.Tensor | None:
     losses = [getattr(layer.self_attn, "indexer_loss", None) for layer in model.model.layers if layer.kind == "dsa"]
     losses = [x for x in losses if x is not None]
     return torch.stack(losses).mean() if losses else None
+
+
+def set_dense_warmup(model: CausalLM, on: bool) -> None:
+    """Switch every DSA layer between dense (warm-up) and top-k attention for the training forward."""
+    for layer in model.model.layers:
+        if layer.kind == "dsa":
+            layer.self_attn.dense_warmup = on
 
 
 @torch.no_grad()
@@ -272,6 +283,7 @@ class SFTTrainer:
             time_fraction = (time.perf_counter() - start) / (cfg.max_minutes * 60) if cfg.max_minutes else 0.0
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg, time_fraction)
+            set_dense_warmup(self.model, step < cfg.dense_warmup_steps)
             examples = self._next_examples()
             batch, targets = packed_batch(examples, self.model.device)
             attach_images(self.model, batch, examples)

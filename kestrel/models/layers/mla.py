@@ -73,6 +73,9 @@ class MLAAttention(HooklessModule):
         self.scale = qk**-0.5 * (softmax_scale_mscale(cfg.rope) if cfg.use_rope else 1.0)
         # Set to a list to record (layer, causally masked index scores [n, L]) (tests compare selections).
         self.record_index_scores: list[torch.Tensor] | None = None
+        # Training only: attend to every causal position while the indexer still learns from its distillation loss
+        # (DeepSeek-V3.2's dense warm-up), so it has learned where attention goes before it chooses.
+        self.dense_warmup = False
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor | None, sin: torch.Tensor | None
@@ -136,7 +139,8 @@ class MLAAttention(HooklessModule):
                     loss = self._indexer_distill_loss(q_nope[sl], q_rope[sl], hist_latent, hist_rope, allowed, scores)
                     self.indexer_loss = loss if self.indexer_loss is None else self.indexer_loss + loss
                 if forced is None and record is None:
-                    allowed = topk_mask(scores, allowed, self.indexer.topk)
+                    if not (self.training and self.dense_warmup):
+                        allowed = topk_mask(scores, allowed, self.indexer.topk)
                 else:
                     topk = self.indexer.topk
                     positions = forced[sl] if forced is not None else selected_positions(scores, allowed, topk)
