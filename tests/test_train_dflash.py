@@ -55,9 +55,10 @@ def test_dflash_trainer_learns_resumes_and_writes_a_loadable_draft(tiny_checkpoi
     assert loss.isfinite() and 1 <= float(accept[0]) <= 4
 
 
-def test_warm_start_begins_from_the_given_draft_and_refuses_another_target(tiny_checkpoints, tmp_path):
+def test_warm_start_begins_from_the_given_draft_and_refuses_another_shape(tiny_checkpoints, tmp_path):
     """--init-draft: step 0 holds the given draft's weights (same held-out acceptance), then trains on; a draft of
-    another target (or shape) is refused by the field that differs."""
+    another version of the target warm-starts too and the result records this target's hash; a draft of another
+    shape is refused by the field that differs."""
     target = tiny_checkpoints["kimi_k3"]
     first = DFlashTrainer(target, tmp_path / "first", _cfg(4))
     first.train()
@@ -73,5 +74,9 @@ def test_warm_start_begins_from_the_given_draft_and_refuses_another_target(tiny_
     save_draft(first.draft, other)
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(cfg | {"target_sha256": "0" * 64}))
-    with pytest.raises(ValueError, match="target_sha256"):
+    rebased = DFlashTrainer(target, tmp_path / "rebased", dataclasses.replace(_cfg(2), init_draft=str(other)))
+    assert torch.equal(next(rebased.draft.parameters()), next(first.draft.parameters()))
+    assert rebased.draft.cfg.target_sha256 == text_weights_sha256(target) != "0" * 64
+    (other / "config.json").write_text(json.dumps(cfg | {"block_size": cfg["block_size"] + 1}))
+    with pytest.raises(ValueError, match="block_size"):
         DFlashTrainer(target, tmp_path / "refused", dataclasses.replace(_cfg(2), init_draft=str(other)))

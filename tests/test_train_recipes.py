@@ -44,3 +44,36 @@ def test_mini_tied_is_mini_plus_the_three_copy_fixes() -> None:
     same = ("hidden", "layers", "experts", "vocab_target", "train_episodes", "eval_episodes")
     assert [getattr(mini, f) for f in same] == [getattr(tied, f) for f in same]
     assert tied.sft is not mini.sft and (tied.sft.steps, tied.sft.max_minutes) == (mini.sft.steps, mini.sft.max_minutes)
+
+
+def test_continued_recipe_starts_from_the_base_and_warms_up_dense_then_sparse(tmp_path, monkeypatch) -> None:
+    from dataclasses import replace
+
+    import kestrel.train.sft as sft
+    from kestrel.train import run
+
+    base = run.run_sft("tiny", tmp_path / "base", steps=6)
+    tiny = RECIPES["tiny"]
+    continued = replace(
+        tiny,
+        name="tiny-continued",
+        init_from=str(tmp_path / "base" / "checkpoint"),
+        sft=replace(tiny.sft, steps=4, dense_warmup_steps=2),
+    )
+    monkeypatch.setitem(run.RECIPES, "tiny-continued", continued)
+    flags: list[bool] = []
+    real = sft.set_dense_warmup
+    monkeypatch.setattr(sft, "set_dense_warmup", lambda model, on: (flags.append(on), real(model, on))[1])
+    trainer = run.run_sft("tiny-continued", tmp_path / "continued")
+    assert flags == [True, True, False, False]  # dense for dense_warmup_steps, sparse after
+    assert trainer.tokenizer.get_vocab() == base.tokenizer.get_vocab()
+    # Same held-out set, the base's final weights: the continued run's step-0 loss is the base's last one.
+    assert abs(trainer.state.eval_loss[0][1] - base.state.eval_loss[-1][1]) < 1e-5
+    assert trainer.state.step == 4 and trainer.model_config_dict == base.model_config_dict
+
+
+def test_mini_continued_continues_the_embedded_model_with_the_copy_fixes() -> None:
+    mini, continued = RECIPES["mini"], RECIPES["mini-continued"]
+    assert continued.init_from == "kestrel-mini" and not continued.tie_embeddings  # the base's untied head
+    assert continued.sft.dense_warmup_steps > 0 and continued.sft.max_minutes == mini.sft.max_minutes
+    assert [s.name for s in continued.data[len(mini.data) :]] == ["copy_random"]

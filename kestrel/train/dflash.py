@@ -168,14 +168,19 @@ class DFlashTrainer:
         self._resume()
 
     def _init_from(self, path: Path) -> None:
-        """Warm start: the given draft's weights (same shape and target), trained further on this run's data."""
+        """Warm start: the given draft's weights (same shape), trained further on this run's data. A draft of an
+        earlier version of the target (a retrained kestrel-mini) is a fine start too: the result records this
+        target's hash, so only a draft distilled against this target's answers ships."""
         given = json.loads((path / "config.json").read_text())
         ours = asdict(self.draft.cfg)
-        for key in ("target_sha256", "hidden_size", "num_hidden_layers", "target_layer_ids", "block_size"):
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "target_layer_ids", "block_size"):
             if given.get(key) != ours.get(key):
                 raise ValueError(f"init_draft: {key} is {given.get(key)!r}, this run needs {ours.get(key)!r}")
         load_weights(self.draft, path)
-        log.info("warm start from %s", path)
+        if given.get("target_sha256") != ours["target_sha256"]:
+            log.info("warm start from %s, a draft of another target: distilling it to this one", path)
+        else:
+            log.info("warm start from %s", path)
 
     def _data(self) -> list[tuple[list[int], int]]:
         """Target answers to the prompts, generated once and kept in the output folder (resumable)."""

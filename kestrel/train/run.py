@@ -8,11 +8,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from kestrel.chat_template import MEDIA_PAD
 from kestrel.models.builtin import EMBEDDED_DIR
 from kestrel.models.checkpoint import save_checkpoint
-from kestrel.tokenizer import save_tokenizer
+from kestrel.models.decoder import CausalLM
+from kestrel.models.loader import load_model
+from kestrel.tokenizer import load_tokenizer, save_tokenizer
 from kestrel.train.data import HELD_OUT, episodes
 from kestrel.train.recipes import RECIPES, k3_mini_config, with_vision_tower
 from kestrel.train.sft import SFTTrainer
@@ -42,10 +45,14 @@ def run_sft(
         train += vision_episodes(recipe.sft.seed + 1, recipe.vision.episodes)
         held_out += vision_episodes(HELD_OUT_SEED + 1, max(recipe.eval_episodes // 4, 4))
     out = Path(out_dir)
+    if recipe.init_from is not None:
+        if recipe.vision is not None:
+            raise ValueError(f"recipe {recipe_name}: init_from with a vision mix is `kestrel train vision`'s job")
+        model, config, tok = continued_model(recipe.init_from)
+        trainer = SFTTrainer(config, tok, train, held_out, recipe.sft, out, model=model)
+        return finish_sft(trainer, ship)
     tok_dir = out / "tokenizer"
     if (tok_dir / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
         tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     else:
         tok = train_tokenizer(corpus_texts(train[:20000]), recipe.vocab_target)
@@ -55,7 +62,20 @@ def run_sft(
     config = k3_mini_config(vocab, recipe.hidden, recipe.layers, recipe.experts, recipe.tie_embeddings)
     if recipe.vision is not None:
         config = with_vision_tower(config, recipe.vision, tok.token_to_id(MEDIA_PAD))
-    trainer = SFTTrainer(config, tok, train, held_out, recipe.sft, out)
+    return finish_sft(SFTTrainer(config, tok, train, held_out, recipe.sft, out), ship)
+
+
+def continued_model(base: str) -> tuple[CausalLM, dict, Tokenizer]:
+    """A trained model to continue from (fp32 for training), its config.json and its tokenizer."""
+    base_dir = EMBEDDED_DIR if base == "kestrel-mini" else Path(base)
+    tok = load_tokenizer(base_dir)
+    if tok is None:
+        raise ValueError(f"init_from {base_dir}: no tokenizer.json")
+    model, _ = load_model(base_dir, dtype=torch.float32)
+    return model, json.loads((base_dir / "config.json").read_text()), tok
+
+
+def finish_sft(trainer: SFTTrainer, ship: bool) -> SFTTrainer:
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
     if ship:
