@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kestrel.config import model_config_from_dict
@@ -70,6 +71,9 @@ def test_continued_recipe_starts_from_the_base_and_warms_up_dense_then_sparse(tm
     # Same held-out set, the base's final weights: the continued run's step-0 loss is the base's last one.
     assert abs(trainer.state.eval_loss[0][1] - base.state.eval_loss[-1][1]) < 1e-5
     assert trainer.state.step == 4 and trainer.model_config_dict == base.model_config_dict
+    monkeypatch.setitem(run.RECIPES, "tiny-continued", replace(continued, tie_embeddings=True))
+    with pytest.raises(ValueError, match="tie_embeddings"):  # the shape comes from the base, not the recipe
+        run.run_sft("tiny-continued", tmp_path / "tied")
 
 
 def test_mini_continued_continues_the_embedded_model_with_the_copy_fixes() -> None:

@@ -188,7 +188,8 @@ RECIPES = {
     # kestrel-mini with both copy fixes: LM head tied, DSA dense warm-up, fresh-pseudo-word drills in the mix
     # (README: "Both fixes in kestrel-mini's budget"; not shipped, it scores below the shipped model).
     "mini-tied": mini_recipe("mini-tied", copy_fixes=True),
-    # The shipped kestrel-mini trained further on the wider mix with the copy drills and the dense warm-up.
+    # The shipped kestrel-mini trained further on the wider mix with the copy drills and the dense warm-up
+    # (README: "Continuing the shipped model instead"; not shipped: arithmetic rose, tool calls and no_tool did not).
     "mini-continued": mini_continued(),
     # The visual task at a small scale, with some text data mixed in: what `kestrel eval --task vision` reaches in
     # a short CPU run (the README gives the figures).

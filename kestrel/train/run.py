@@ -49,6 +49,8 @@ def run_sft(
         if recipe.vision is not None:
             raise ValueError(f"recipe {recipe_name}: init_from with a vision mix is `kestrel train vision`'s job")
         model, config, tok = continued_model(recipe.init_from)
+        if bool(config.get("tie_word_embeddings", False)) != recipe.tie_embeddings:  # the shape is the base's
+            raise ValueError(f"recipe {recipe_name}: tie_embeddings={recipe.tie_embeddings}, its init_from is not")
         trainer = SFTTrainer(config, tok, train, held_out, recipe.sft, out, model=model)
         return finish_sft(trainer, ship)
     tok_dir = out / "tokenizer"
