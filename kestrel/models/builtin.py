@@ -6,6 +6,12 @@ from pathlib import Path
 
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "assets" / "kestrel-mini"
 FALLBACK_DIR = Path.home() / ".cache" / "kestrel" / "builtin-tiny-k3"
+EMBEDDED_NAME = "kestrel-mini"
+
+
+def model_dir(name_or_path: str | Path) -> Path:
+    """A trainer's `--target` / `--base` / `init_from`: "kestrel-mini" is the embedded model, anything else a folder."""
+    return EMBEDDED_DIR if str(name_or_path) == EMBEDDED_NAME else Path(name_or_path)
 
 
 def builtin_model_path() -> Path:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kestrel.chat_template import render_chat
-from kestrel.models.builtin import EMBEDDED_DIR
+from kestrel.models.builtin import EMBEDDED_DIR, model_dir
 from kestrel.models.checkpoint import text_weights_sha256
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
@@ -32,7 +32,6 @@ from kestrel.spec.draft import EMBEDDED_DRAFT_DIR, DFlashDraft, DraftConfig, sav
 from kestrel.train.data import episodes
 
 log = logging.getLogger(__name__)
-TARGETS = {"kestrel-mini": EMBEDDED_DIR}
 
 
 @dataclass
@@ -355,7 +354,7 @@ def run_dflash(
         cfg.max_minutes = max_minutes
     if num_prompts is not None:
         cfg.num_prompts = num_prompts
-    path = TARGETS.get(target, Path(target))
+    path = model_dir(target)
     if ship and path.resolve() != EMBEDDED_DIR.resolve():
         raise ValueError("--ship: the shipped draft belongs to the embedded model (--target kestrel-mini)")
     trainer = DFlashTrainer(path, Path(out_dir), cfg)

@@ -11,14 +11,12 @@ import torch
 from tokenizers import Tokenizer
 
 from kestrel.chat_template import MEDIA_PAD
-from kestrel.models.builtin import EMBEDDED_DIR
+from kestrel.models.builtin import EMBEDDED_DIR, model_dir
 from kestrel.models.checkpoint import save_checkpoint
-from kestrel.models.decoder import CausalLM
-from kestrel.models.loader import load_model
-from kestrel.tokenizer import load_tokenizer, save_tokenizer
+from kestrel.tokenizer import save_tokenizer
 from kestrel.train.data import HELD_OUT, episodes
 from kestrel.train.recipes import RECIPES, k3_mini_config, with_vision_tower
-from kestrel.train.sft import SFTTrainer
+from kestrel.train.sft import SFTTrainer, trained_model
 from kestrel.train.tokenizer import corpus_texts, train_tokenizer
 from kestrel.train.vision_data import vision_episodes
 
@@ -48,7 +46,7 @@ def run_sft(
     if recipe.init_from is not None:
         if recipe.vision is not None:
             raise ValueError(f"recipe {recipe_name}: init_from with a vision mix is `kestrel train vision`'s job")
-        model, config, tok = continued_model(recipe.init_from)
+        model, config, tok = trained_model(model_dir(recipe.init_from))
         if bool(config.get("tie_word_embeddings", False)) != recipe.tie_embeddings:  # the shape is the base's
             raise ValueError(f"recipe {recipe_name}: tie_embeddings={recipe.tie_embeddings}, its init_from is not")
         trainer = SFTTrainer(config, tok, train, held_out, recipe.sft, out, model=model)
@@ -65,16 +63,6 @@ def run_sft(
     if recipe.vision is not None:
         config = with_vision_tower(config, recipe.vision, tok.token_to_id(MEDIA_PAD))
     return finish_sft(SFTTrainer(config, tok, train, held_out, recipe.sft, out), ship)
-
-
-def continued_model(base: str) -> tuple[CausalLM, dict, Tokenizer]:
-    """A trained model to continue from (fp32 for training), its config.json and its tokenizer."""
-    base_dir = EMBEDDED_DIR if base == "kestrel-mini" else Path(base)
-    tok = load_tokenizer(base_dir)
-    if tok is None:
-        raise ValueError(f"init_from {base_dir}: no tokenizer.json")
-    model, _ = load_model(base_dir, dtype=torch.float32)
-    return model, json.loads((base_dir / "config.json").read_text()), tok
 
 
 def finish_sft(trainer: SFTTrainer, ship: bool) -> SFTTrainer:

@@ -26,10 +26,10 @@ from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkp
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.moe import MoE
-from kestrel.models.loader import build_model, load_weights
+from kestrel.models.loader import build_model, load_model, load_weights
 from kestrel.models.vision.inputs import encode_images, image_offsets, splice_rows
 from kestrel.models.vision.preprocess import image_tokens, preprocess_image
-from kestrel.tokenizer import save_tokenizer
+from kestrel.tokenizer import load_tokenizer, save_tokenizer
 from kestrel.train.data import Episode
 from kestrel.train.vision_data import IMAGE_SIZE, render_image
 
@@ -176,6 +176,15 @@ class TrainState:
     train_loss: list[tuple[int, float]] = field(default_factory=list)
     eval_loss: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
+
+
+def trained_model(path: Path) -> tuple[CausalLM, dict[str, Any], Tokenizer]:
+    """A trained checkpoint to train further (fp32 weights), its config.json and its tokenizer."""
+    tok = load_tokenizer(path)
+    if tok is None:
+        raise ValueError(f"{path}: no tokenizer.json")
+    model, _ = load_model(path, dtype=torch.float32)
+    return model, json.loads((path / "config.json").read_text()), tok
 
 
 class SFTTrainer:

@@ -28,20 +28,19 @@ from tokenizers import AddedToken, Tokenizer
 
 from kestrel.chat_template import MEDIA_PAD, MEDIA_TOKENS
 from kestrel.config import model_config_from_dict
-from kestrel.models.builtin import EMBEDDED_DIR
+from kestrel.models.builtin import EMBEDDED_DIR, model_dir
 from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint, stored_dtype, text_weights_sha256
 from kestrel.models.decoder import CausalLM
-from kestrel.models.loader import build_model, load_model
+from kestrel.models.loader import build_model
 from kestrel.models.vision.inputs import encode_images
 from kestrel.models.vision.preprocess import preprocess_image
-from kestrel.tokenizer import load_tokenizer, save_tokenizer
+from kestrel.tokenizer import save_tokenizer
 from kestrel.train.recipes import VISION_STAGES, VisionMix, with_vision_tower
-from kestrel.train.sft import SFTTrainer
+from kestrel.train.sft import SFTTrainer, trained_model
 from kestrel.train.vision_data import KINDS, render_image, vision_episodes
 
 log = logging.getLogger(__name__)
 HELD_OUT_SEED = 10_001  # the held-out loss stream; `kestrel eval --task vision` draws from 10_002
-BASES = {"kestrel-mini": EMBEDDED_DIR}
 
 
 def with_media_tokens(tok: Tokenizer, vocab_size: int) -> Tokenizer:
@@ -69,12 +68,8 @@ def match_embedding_norm(model: CausalLM, samples: int = 16) -> float:
 
 def vision_stage_model(base: Path, tower: VisionMix, seed: int = 0) -> tuple[CausalLM, dict, Tokenizer]:
     """The base text model's weights (unchanged) plus a fresh tower, the extended config, and the tokenizer."""
-    text_model, text_cfg = load_model(base)
-    tok = load_tokenizer(base)
-    if tok is None:
-        raise ValueError(f"{base}: no tokenizer.json")
-    tok = with_media_tokens(tok, text_cfg.vocab_size)
-    config = json.loads((base / "config.json").read_text())
+    text_model, config, tok = trained_model(base)
+    tok = with_media_tokens(tok, text_model.cfg.vocab_size)
     if config.get("vision_config"):
         raise ValueError(f"{base} already has a vision tower")
     config = with_vision_tower(config, tower, tok.token_to_id(MEDIA_PAD))
@@ -100,7 +95,7 @@ def run_vision_stage(
         stage.sft.steps = steps
     if max_minutes is not None:
         stage.sft.max_minutes = max_minutes
-    base_dir = BASES.get(str(base), Path(base))
+    base_dir = model_dir(base)
     if ship and base_dir.resolve() != EMBEDDED_DIR.resolve():
         raise ValueError("--ship: the shipped tower belongs to the embedded model (--base kestrel-mini)")
     # Text tensors are written back in the base's own dtype: bf16 → fp32 (training) → bf16 is exact.
