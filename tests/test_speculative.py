@@ -11,6 +11,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.models.checkpoint import make_model
 from kestrel.models.loader import load_model
 from kestrel.spec.acceptance import greedy_accept, sampled_accept
+from kestrel.spec.context import DraftKV, gather
 from kestrel.spec.draft import DraftConfig, default_target_layers, random_draft, save_draft
 from kestrel.spec.rollback import replay_bytes_per_request, snapshot_bytes_per_request
 from kestrel.spec.speculator import DFlashSpeculator
@@ -95,6 +96,39 @@ def test_greedy_accept_is_longest_matching_prefix_plus_target_token():
     assert greedy_accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
     assert greedy_accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
     assert greedy_accept([5, 6, 7], [4, 6, 7, 8]) == [4]
+
+
+def test_draft_context_is_trimmed_to_its_written_extent_and_proposes_the_same(targets):
+    """A block attends to the ring's slots up to the last written one only; the slots never written were masked out,
+    so the proposals are those of the whole ring. Once the ring wraps, every slot is in use."""
+    model, _ = load_model(targets["kimi_k3"][0])
+    draft = random_draft(model, seed=3, **SMALL_DRAFT)
+    attn = draft.layers[0].self_attn
+    dk, dv, layers = attn.nope + attn.rope_dim, attn.v_dim, len(draft.layers)
+    gen = torch.Generator().manual_seed(0)
+
+    def written(kv: DraftKV, positions: list[int]) -> DraftKV:
+        pos = torch.tensor(positions)
+        shapes = [(len(pos), attn.n_heads, dk), (len(pos), attn.n_heads, dv)]
+        kv.write(pos, [tuple(torch.randn(*shape, generator=gen) for shape in shapes) for _ in range(layers)])
+        return kv
+
+    def kv(capacity: int, positions: list[int]) -> DraftKV:
+        return written(DraftKV(capacity, layers, attn.n_heads, dk, dv, torch.float32, "cpu"), positions)
+
+    with torch.inference_mode():
+        short = kv(64, [0, 1, 2, 5, 6, 7, 8, 9])  # a hole at 3-4 (a prefix-cache hit)
+        ctx, mask = gather([short])
+        assert short.extent == 10 and mask.shape == (1, 10) and ctx[0][0].shape[1] == 10
+        assert mask[0].tolist() == [True] * 3 + [False] * 2 + [True] * 5
+        last, start = torch.tensor([5]), torch.tensor([10])
+        full = [(short.k[i][None], short.v[i][None]) for i in range(layers)], short.valid[None]
+        torch.testing.assert_close(
+            draft.block_logits(last, start, 4, ctx, mask), draft.block_logits(last, start, 4, *full)
+        )
+        ctx2, mask2 = gather([short, kv(64, list(range(20)))])  # two requests: the wider extent, the other padded
+        assert mask2.shape == (2, 20) and mask2[0, 10:].sum() == 0 and mask2[1].all()
+        assert kv(16, list(range(20))).extent == 16  # wrapped: the whole ring
 
 
 @pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])

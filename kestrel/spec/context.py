@@ -21,6 +21,15 @@ class DraftKV:
         self.valid = torch.zeros(capacity, dtype=torch.bool, device=device)
 
     @property
+    def extent(self) -> int:
+        """Slots up to the last valid one. Until the ring wraps, the slots after it were never written: a block need
+        not attend to them (they are masked out anyway), nor copy them, which at concurrency 1 was most of the
+        draft's attention work (a 1,024-slot ring holding a few hundred tokens). Read from `valid`, so context
+        received by a transfer (PD disaggregation) counts as well as `write`s."""
+        hits = self.valid.nonzero()
+        return int(hits[-1]) + 1 if len(hits) else 0
+
+    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.valid.nbytes
 
@@ -36,12 +45,13 @@ class DraftKV:
 
 def gather(contexts: list[DraftKV]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Padded batch of several requests' draft KV: per layer ([N, L, H, dk], [N, L, H, dv]) and mask [N, L]."""
+    width = max(c.extent for c in contexts)
     if len(contexts) == 1:  # one request (concurrency 1): views, no copies
         c = contexts[0]
-        return [(c.k[i][None], c.v[i][None]) for i in range(c.k.shape[0])], c.valid[None]
-    width = max(c.capacity for c in contexts)
+        return [(c.k[i][None, :width], c.v[i][None, :width]) for i in range(c.k.shape[0])], c.valid[None, :width]
 
     def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        t = t.narrow(dim, 0, min(width, t.shape[dim]))
         extra = width - t.shape[dim]
         if not extra:
             return t
