@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from offline_throughput import make_prompts
 from report import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -123,9 +124,7 @@ def throughput(args, clock: ComponentClock) -> dict:
 
     path = args.model or str(make_model("kimi_linear", "small", Path(tempfile.mkdtemp()) / "kl-small", seed=0))
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(128, 513, (args.num_prompts,), generator=gen).tolist()
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    prompts = make_prompts(args.num_prompts, 128, 512, vocab, seed=0)  # offline_throughput's prompts
     llm = LLM(
         path,
         max_total_tokens=sum(len(p) + args.new_tokens for p in prompts) + 1024,

@@ -126,7 +126,7 @@ def test_draft_context_is_trimmed_to_its_written_extent_and_proposes_the_same(ta
         torch.testing.assert_close(
             draft.block_logits(last, start, 4, ctx, mask), draft.block_logits(last, start, 4, *full)
         )
-        ctx2, mask2 = gather([short, kv(64, list(range(20)))])  # two requests: the wider extent, the other padded
+        _, mask2 = gather([short, kv(64, list(range(20)))])  # two requests: the wider extent, the other padded
         assert mask2.shape == (2, 20) and mask2[0, 10:].sum() == 0 and mask2[1].all()
         assert kv(16, list(range(20))).extent == 16  # wrapped: the whole ring
 
