@@ -41,6 +41,7 @@ def _layer() -> KDAAttention:
         ([7], [[1, 2, 3, 4, 5, 6]]),  # a verify block with per-position snapshots
         ([7, 7, 7], None),  # verify blocks of three requests
         ([3, 16, 1, 5], [[2], [4, 8, 16], [], [5]]),  # ragged short prompts, checkpoints at page offsets
+        ([20, 32, 9], [[16], [16, 32], []]),  # the longest prompts that still take the loop
     ],
 )
 def test_short_segments_equal_the_packed_form(lens, snapshots):

@@ -379,3 +379,11 @@ def test_server_reports_acceptance_in_generate_meta_info_and_metrics():
         assert meta["completion_tokens"] <= meta["spec_verify_ct"] * 5 + 1
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert "kestrel_spec_accept_length_count 1.0" in metrics
+
+
+def test_compile_with_dflash_is_refused_by_name_instead_of_silently_running_eagerly():
+    from kestrel.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="compile.*speculative-algorithm"):
+        EngineConfig(compile=True, speculative_algorithm="dflash")
+    assert EngineConfig(compile=True).compile and EngineConfig(speculative_algorithm="dflash").speculative_algorithm

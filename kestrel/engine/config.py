@@ -296,6 +296,13 @@ class EngineConfig:
             need(len(set(names)) == len(names), "lora_paths", "adapter names must be unique")
         need(self.max_loras_per_batch >= 1, "max_loras_per_batch", "must be >= 1")
         need(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        if self.speculative_algorithm is not None:
+            # Every DFlash step is a verify block that captures target hidden states: none would run compiled.
+            need(
+                not self.compile,
+                "compile",
+                "not supported with --speculative-algorithm yet (verify blocks run eagerly)",
+            )
         if self.enable_lora:
             need(not self.compile, "compile", "not supported with --enable-lora yet")
             need(self.world == 1, "tp", "--enable-lora needs one process (--tp/--pcp/--pp 1) for now")

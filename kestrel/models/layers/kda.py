@@ -22,8 +22,10 @@ from kestrel.models.layers.linear import FusedLinear
 from kestrel.models.layers.norm import GatedRMSNorm
 from kestrel.models.weight_loaders import reshape_loader, set_loader, stacked_loader
 
-# Prefill segments up to this many tokens run the recurrent form: the chunked form would pad them to a full chunk.
-RECURRENT_MAX_TOKENS = 16
+# Prefill segments up to this many tokens run the token loop: the chunked form would pad them to a full chunk. The
+# loop's cost grows with the longest segment, the chunked form's with the chunks: at one sequence they cross near 32-40
+# tokens on CPU, and with more sequences the loop is 3-4x faster at 24-32 tokens (benchmarks/kda_forms.py).
+RECURRENT_MAX_TOKENS = 32
 CHUNK_SIZE = 64  # chunked-form chunk length (64 measured fastest on CPU)
 
 
