@@ -3,7 +3,7 @@
 Why `RECURRENT_MAX_TOKENS` in kestrel/models/layers/kda.py is what it is: the loop's cost grows with the longest
 sequence (six small ops a token, each over every sequence at once), the chunked form's with the number of 64-token
 chunks (a full chunk's work even for a 17-token prompt). Random inputs at the models' KDA shape (64 x 64 heads);
-medians of repeated calls, both forms in the same run; the loop/chunked ratio is what to read (> 1: the loop wins).
+medians of repeated calls, both forms in the same run; read the chunked/loop column (> 1: the loop wins).
 
     .venv/bin/python benchmarks/kda_forms.py --threads 1 --heads 4     # kestrel-mini's KDA layers
     .venv/bin/python benchmarks/kda_forms.py --threads 2 --heads 6     # make-model small
