@@ -236,6 +236,7 @@ class KDAAttention(HooklessModule):
         """
         b, width, keep, dim = len(lens), max(lens), self.kernel - 1, self.conv_dim
         uniform = all(n == width for n in lens)
+        rows = None  # bound before `pad` reads it: torch.compile cannot trace a closure over an unbound cell
         if not uniform:
             rows = torch.tensor([i * width + t for i, n in enumerate(lens) for t in range(n)], device=mixed.device)
 
