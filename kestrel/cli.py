@@ -260,22 +260,28 @@ def cmd_rl(args: argparse.Namespace) -> int:
     return 0
 
 
+EVAL_ADAPTER = "eval"  # the name `kestrel eval --lora` loads its adapter under
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.train.evaluate import EVALS, run_probes
     from kestrel.train.vision_eval import eval_vision
 
-    llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype)
+    lora = {"lora_paths": [f"{EVAL_ADAPTER}={args.lora}"]} if args.lora else {}
+    llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype, **lora)
+    lora_name = EVAL_ADAPTER if args.lora else None
     evals = {**EVALS, "vision": eval_vision}
     tasks = [*EVALS, "probes"] if args.task == "all" else [args.task]  # all: the text tasks (vision needs a tower)
     report: dict = {}
     for task in tasks:
         if task == "probes":
-            report["probes"] = [{"question": q, "output": text, "right": ok} for q, text, ok in run_probes(llm)]
+            probes = run_probes(llm, lora_name)
+            report["probes"] = [{"question": q, "output": text, "right": ok} for q, text, ok in probes]
             for row in report["probes"]:
                 print(f"probes: {'right' if row['right'] else 'WRONG'}: {row['question']!r} -> {row['output']!r}")
             continue
-        report[task] = evals[task](llm, args.n)
+        report[task] = evals[task](llm, args.n, lora_name=lora_name)
         for name, value in report[task].items():
             print(f"{task}/{name}: {value:.3f}")
     if args.json:
@@ -465,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("-n", type=int, default=200, help="questions per category")
     ev.add_argument("--json", default=None, help="also write the scores to this file")
     ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")
+    ev.add_argument("--lora", default=None, help="a PEFT adapter folder: score the model with it on every question")
     ev.set_defaults(func=cmd_eval)
     return parser
 

@@ -99,3 +99,29 @@ def test_eval_command_scores_copying_of_fresh_spans(tmp_path):
     scores = json.loads(out.read_text())["copy"]
     assert set(scores) == {"copy_random", "copy_random:in_reasoning"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
+
+
+def test_eval_command_scores_through_an_adapter(tmp_path):
+    """`--lora`: every question goes through the adapter. B = 0 (PEFT's initialisation) answers as the base does;
+    the same adapter with B random answers differently."""
+    import json
+
+    import torch
+
+    from kestrel.cli import main
+    from kestrel.models.loader import load_model
+    from kestrel.train.lora import new_adapter, save_adapter
+
+    model, cfg = load_model(builtin_model_path())
+    zero = new_adapter(model, ["q_proj", "o_proj", "down_proj"], r=4, lora_alpha=8.0, name="zero")
+    gen = torch.Generator().manual_seed(0)
+    noisy = new_adapter(model, ["q_proj", "o_proj", "down_proj"], r=4, lora_alpha=8.0, name="noisy")
+    noisy.weights = {m: (a, torch.randn(b.shape, generator=gen).to(b.dtype)) for m, (a, b) in noisy.weights.items()}
+    outputs = {}
+    for name, adapter in (("base", None), ("zero", zero), ("noisy", noisy)):
+        out = tmp_path / f"{name}.json"
+        lora = ["--lora", str(save_adapter(adapter, tmp_path / name, cfg.model_type))] if adapter else []
+        assert main(["eval", "--task", "probes", "--json", str(out), *lora]) == 0
+        outputs[name] = [row["output"] for row in json.loads(out.read_text())["probes"]]
+    assert outputs["zero"] == outputs["base"]
+    assert outputs["noisy"] != outputs["base"]

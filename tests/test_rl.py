@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import time
 
 import httpx
@@ -313,3 +314,44 @@ def test_cli_rl_refuses_bad_options_before_starting_an_engine(tiny, tmp_path, ca
     nowhere = f"http://127.0.0.1:{free_port()}"
     assert main([*base, "--rollout-url", nowhere, "--steps", "1"]) == 1
     assert nowhere in capsys.readouterr().err
+
+
+def test_rollouts_behind_sglang_router_use_the_adapter_pushed_to_every_worker(tiny, engine, tmp_path):
+    """`--rollout-url ROUTER --sync-url W0 W1`: sglang-router spreads the rollouts over two workers, each serves the
+    version just pushed (checked per rollout in the step), and the mismatch stays exactly 0."""
+    pytest.importorskip("sglang_router", reason="sglang-router not installed: pip install -e '.[router]'")
+    from process_harness import free_port as router_port
+    from process_harness import router_cmd, start, stop
+
+    from kestrel.train.rl import engine_flags
+
+    def finished(url: str) -> float:
+        lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("kestrel_requests_finished_total"))
+
+    flags = engine_flags(TINY.config, load_model_config(tiny))
+    with EngineProcess(tiny, flags, tmp_path / "w1.log") as second:
+        workers = [engine, second.url]
+        port = router_port()
+        cmd = router_cmd(port, "--worker-urls", *workers, "--policy", "round_robin")
+        router = start(
+            [*cmd, "--prometheus-port", str(router_port())], tmp_path / "router.log", f"http://127.0.0.1:{port}/health"
+        )
+        try:
+            before = [finished(u) for u in workers]
+            job = dataclasses.replace(
+                _job(tiny, engine, tmp_path / "out", "routed", steps=2),
+                rollout_urls=[f"http://127.0.0.1:{port}"],
+                sync_urls=workers,
+            )
+            state = train_rank(single_groups(), job)
+            served = [finished(u) - b for u, b in zip(workers, before, strict=True)]
+            infos = [httpx.get(u + "/get_server_info").json()["lora_adapters"]["routed"] for u in workers]
+        finally:
+            stop(router, signal.SIGTERM)
+    assert second.returncode == 0 and "Traceback" not in (tmp_path / "w1.log").read_text()
+    assert [r["adapter_version"] for r in state.history] == ["0", "1"]
+    assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in state.history)
+    assert min(served) > 0, served  # both workers answered rollouts
+    checksum = adapter_checksum(tmp_path / "out" / "adapter")
+    assert all((i["lora_version"], i["checksum"]) == ("2", checksum) for i in infos)

@@ -147,7 +147,7 @@ def test_prefix_cache_hits_return_the_rows_their_tokens_got_when_first_computed(
 
 @pytest.fixture(scope="module")
 def capture_http(k3):
-    engine = {**CAPTURE, "page_size": 4, "chunked_prefill_size": 16}
+    engine = {**CAPTURE, "page_size": 4, "chunked_prefill_size": 16, "capture_by_default": True}
     with running_server(k3, engine) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
         yield client
 
@@ -171,6 +171,14 @@ def test_generate_returns_base64_int32_rows_a_trainer_replays(capture_http, k3):
     (trainer,) = sequence_logprobs(model, [rollout], replay=True)
     assert (trainer - torch.tensor(rollout.logprobs)).abs().max() <= 1e-5
 
+    # --capture-by-default: a body without the return_* fields (as sglang-router 0.3.2 forwards it) gets them too.
+    unasked = {k: v for k, v in body.items() if k not in RETURN}
+    meta_unasked = capture_http.post("/generate", json=unasked).json()["meta_info"]
+    assert (meta_unasked["routed_experts"], meta_unasked["indexer_topk"]) == (
+        meta["routed_experts"],
+        meta["indexer_topk"],
+    )
+
     cropped = capture_http.post("/generate", json=body | {"routed_experts_start_len": 10}).json()
     tail = Rollout.from_generate(cropped, prompt, cfg).routed_experts
     assert torch.equal(tail, rollout.routed_experts[10:])
@@ -182,3 +190,12 @@ def test_generate_returns_base64_int32_rows_a_trainer_replays(capture_http, k3):
                 chunks.append(json.loads(line[6:])["meta_info"])
     assert len(chunks) > 1 and all("routed_experts" not in c for c in chunks[:-1])
     assert chunks[-1]["routed_experts"] == meta["routed_experts"] and chunks[-1]["indexer_topk"] == meta["indexer_topk"]
+
+
+def test_capture_by_default_needs_a_capture_to_default_to():
+    from kestrel.config import ConfigError
+    from kestrel.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="capture_by_default"):
+        EngineConfig(capture_by_default=True)
+    assert EngineConfig(capture_by_default=True, enable_return_routed_experts=True).capture_by_default

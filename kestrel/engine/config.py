@@ -99,6 +99,12 @@ class EngineConfig:
         default=False,
         metadata={"help": "record every token's DSA top-k positions for return_indexer_topk (4 B x layers x top-k)"},
     )
+    # sglang-router (0.3.2, the newest wheel) re-serializes /generate bodies through a typed struct without the
+    # return_routed_experts / return_indexer_topk fields, so a rollout sent through it never asks for capture.
+    capture_by_default: bool = field(
+        default=False,
+        metadata={"help": "every /generate answer carries the enabled capture tables, asked or not (behind a router)"},
+    )
     deterministic_inference: bool = field(
         default=False,
         metadata={
@@ -320,6 +326,11 @@ class EngineConfig:
             need(self.kv_cache_dtype == "auto", "kv_cache_dtype", "must be auto with --deterministic-inference")
             need(self.speculative_algorithm is None, "speculative_algorithm", why)
             need(self.world == 1 and self.nnodes == 1, "tp", why + " (one process: --tp/--pcp/--pp 1)")
+        need(
+            not self.capture_by_default or self.enable_return_routed_experts or self.enable_return_indexer_topk,
+            "capture_by_default",
+            "needs --enable-return-routed-experts or --enable-return-indexer-topk",
+        )
         if self.enable_return_routed_experts or self.enable_return_indexer_topk:
             need(self.dp_attn == 1 and not self.enable_dp_attention, "dp_attn", "not with rollout capture yet")
             need(self.dcp == 1, "dcp", "not with rollout capture yet")

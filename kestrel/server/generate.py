@@ -86,13 +86,18 @@ def _check_logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int 
     return req.top_logprobs_num
 
 
-def _check_capture(req: GenerateRequest, ctx: ServingContext) -> None:
-    """Capture is recorded for every token only when the server was started for it (SGLang's two-level opt-in)."""
+def _check_capture(req: GenerateRequest, ctx: ServingContext) -> GenerateRequest:
+    """Capture is recorded for every token only when the server was started for it (SGLang's two-level opt-in);
+    with `--capture-by-default` every request asks for what the server records (the request as served)."""
     config = ctx.engine.engine_config
     for name in ("routed_experts", "indexer_topk"):
         if getattr(req, f"return_{name}") and not getattr(config, f"enable_return_{name}"):
             flag = f"--enable-return-{name.replace('_', '-')}"
             raise APIError(400, f"return_{name}: start the server with {flag}", param=f"return_{name}")
+    if not config.capture_by_default:
+        return req
+    names = ("routed_experts", "indexer_topk")
+    return req.model_copy(update={f"return_{n}": True for n in names if getattr(config, f"enable_return_{n}")})
 
 
 def _finish(reason: str | None, num_tokens: int) -> dict[str, Any] | None:
@@ -174,7 +179,7 @@ def _b64(rows) -> str:
 async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContext):
     prompts, batch = await _prompts(req, ctx)
     prompt_logprobs = _check_logprob_start(req, prompts)
-    _check_capture(req, ctx)
+    req = _check_capture(req, ctx)
     logprobs = req.top_logprobs_num if req.return_logprob else None
     longest = max(len(p) for p in prompts)
     params = make_params(

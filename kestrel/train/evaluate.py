@@ -57,9 +57,9 @@ def tool_calls(text: str) -> list[tuple[str, Any]]:
     return calls
 
 
-def _generate(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:
+def _generate(llm: LLM, prompts: list[str], max_tokens: int, lora_name: str | None) -> list[str]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False, lora_name=lora_name)]
 
 
 def prompt_text(ep: Episode) -> str:
@@ -109,17 +109,19 @@ def _score(cases: list[tuple[str, Episode]], outputs: list[str], correct: Callab
     return scores | {"mean": sum(per_category) / len(per_category)}
 
 
-def eval_arithmetic(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED) -> dict[str, float]:
+def eval_arithmetic(
+    llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None
+) -> dict[str, float]:
     """Accuracy per operation (2-digit addition, subtraction, one-digit multiplication, percentages)."""
     cases = arithmetic_cases(n, seed)
-    outputs = _generate(llm, [prompt_text(ep) for _, ep in cases], 256)
+    outputs = _generate(llm, [prompt_text(ep) for _, ep in cases], 256, lora_name)
     return _score(cases, outputs, arithmetic_correct)
 
 
-def eval_tools(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED) -> dict[str, float]:
+def eval_tools(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> dict[str, float]:
     """Accuracy per tool (exact name + JSON arguments), `no_tool`, and by place origin (real or made up)."""
     cases = tool_cases(n, seed)
-    outputs = _generate(llm, [prompt_text(ep) for _, ep in cases], 128)
+    outputs = _generate(llm, [prompt_text(ep) for _, ep in cases], 128, lora_name)
     return _score(cases, outputs, tool_call_correct)
 
 
@@ -133,22 +135,22 @@ def copy_scores(cases: list[Episode], outputs: list[str]) -> dict[str, float]:
     return {"copy_random": sum(reply) / len(reply), "copy_random:in_reasoning": sum(reasoning) / len(reasoning)}
 
 
-def eval_copy(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED) -> dict[str, float]:
+def eval_copy(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> dict[str, float]:
     """Verbatim copies of n fresh pseudo-word spans asked in held-out phrasings: the skill a tool call's arguments
     need, with nothing to memorise."""
     rng = random.Random(seed + 2)
     cases = [random_span_episode(rng, HELD_OUT) for _ in range(n)]
-    return copy_scores(cases, _generate(llm, [prompt_text(ep) for ep in cases], 64))
+    return copy_scores(cases, _generate(llm, [prompt_text(ep) for ep in cases], 64, lora_name))
 
 
-def run_probes(llm: LLM) -> list[tuple[str, str, bool]]:
+def run_probes(llm: LLM, lora_name: str | None = None) -> list[tuple[str, str, bool]]:
     """(question, model output, right?) for the issue's reported failures."""
     prompts = [
         render_chat([{"role": "user", "content": q}], [tool_schema(t) for t in tools] or None, True, "high")
         for q, tools, _ in ISSUE_PROBES
     ]
     out = []
-    for (question, _, want), text in zip(ISSUE_PROBES, _generate(llm, prompts, 256)):
+    for (question, _, want), text in zip(ISSUE_PROBES, _generate(llm, prompts, 256, lora_name)):
         ok = tool_calls(text) == [want] if isinstance(want, tuple) else final_answer(text) == want
         out.append((question, text, ok))
     return out

@@ -143,10 +143,12 @@ class RLState:
 
 
 def engine_flags(cfg: RLConfig, model_cfg) -> list[str]:
-    """What a rollout engine needs: capture of the routing the trainer replays, LoRA, zero-mismatch mode, fp32."""
+    """What a rollout engine needs: capture of the routing the trainer replays (on every answer, so a router in front
+    cannot lose the request's ask), LoRA, zero-mismatch mode, fp32."""
     flags = ["--dtype", "float32", "--enable-lora", "--max-lora-rank", str(cfg.lora_rank)]
     flags += ["--max-running-requests", str(max(64, cfg.prompts_per_step * cfg.samples_per_prompt))]
-    flags += [f"--enable-return-{c.replace('_', '-')}" for c in capture_fields(model_cfg)]
+    capture = [f"--enable-return-{c.replace('_', '-')}" for c in capture_fields(model_cfg)]
+    flags += capture + (["--capture-by-default"] if capture else [])  # also behind sglang-router, which drops return_*
     return flags + (["--deterministic-inference"] if cfg.deterministic else [])
 
 

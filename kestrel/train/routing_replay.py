@@ -124,7 +124,10 @@ def replay_of(rollouts: list[Rollout], cfg: ModelConfig, device: torch.device | 
         for r in rollouts:
             table = getattr(r, name)
             if layers and table is None:
-                raise ValueError(f"routing replay: a rollout lacks {name} (ask /generate for return_{name})")
+                raise ValueError(
+                    f"routing replay: a rollout lacks {name} (ask /generate for return_{name}; behind "
+                    "sglang-router, which drops that field, start the workers with --capture-by-default)"
+                )
             if layers and table.shape[:2] != (len(r.input_ids), len(layers)):
                 raise ValueError(f"routing replay: {name} {tuple(table.shape)} does not fit the rollout")
 

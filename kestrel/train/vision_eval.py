@@ -25,7 +25,7 @@ def vision_answer(kind: str, text: str):
     return int(numbers[-1]) if numbers else None
 
 
-def eval_vision(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED) -> dict[str, float]:
+def eval_vision(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> dict[str, float]:
     """Exact answers on n held-out images (the four kinds in turn), per kind and overall."""
     rng = random.Random(seed)
     cases = [vision_episode(rng, KINDS[i % len(KINDS)]) for i in range(n)]
@@ -35,7 +35,9 @@ def eval_vision(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED) -> dict[str, 
         ids, processed = llm.image_prompt(text, episode_images(ep))
         prompts.append(ids)
         images.append(processed)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False, images=images)
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False, images=images, lora_name=lora_name
+    )
     right: dict[str, list[bool]] = defaultdict(list)
     for ep, out in zip(cases, outputs):
         kind = ep.meta["image"][0]
