@@ -8,13 +8,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
+from process_harness import kestrel_serve, start
 from server_harness import running_server
 
 from kestrel.dist.launch import free_port
@@ -32,19 +32,9 @@ def checkpoint(tmp_path_factory):
 
 def _serve_tp2(checkpoint: str, log_path: Path, *flags: str, layout=("--tp", "2")) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "kestrel.cli", "serve", checkpoint, "--port", str(port), "--device", "cpu"]
-    cmd += [*layout, *FLAGS, *flags]
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, stderr=log_file, stdout=log_file, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("server did not come up:\n" + log_path.read_text())
-        time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    cmd = kestrel_serve(port, checkpoint, "--device", "cpu", *layout, *FLAGS, *flags)
+    return start(cmd, log_path, url + "/health", timeout=120), url
 
 
 def _children(pid: int) -> list[int]:
