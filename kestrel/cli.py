@@ -488,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailure as exc:  # --tp: a rank died, the others were stopped
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C where the first one asked for a clean stop (`kestrel rl`)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -355,3 +355,31 @@ def test_rollouts_behind_sglang_router_use_the_adapter_pushed_to_every_worker(ti
     assert min(served) > 0, served  # both workers answered rollouts
     checksum = adapter_checksum(tmp_path / "out" / "adapter")
     assert all((i["lora_version"], i["checksum"]) == ("2", checksum) for i in infos)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_kestrel_rl_after_its_step_saved_with_its_engine_stopped(tiny, tmp_path, sig):
+    """SIGINT or SIGTERM: the step in flight finishes, the state is saved (resumable: as many steps as metric rows),
+    the engine the run started is stopped cleanly, and the process exits 0 without a traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "signalled"
+    cmd = [sys.executable, "-m", "kestrel.cli", "rl", "--recipe", "tiny", "--model", tiny, "--out", str(out)]
+    cmd += ["--steps", "1000", "--eval-every", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    steps = metrics.read_text().count("\n")
+    assert json.loads(stdout.split("\nadapter: ")[0])["steps"] == steps
+    assert torch.load(out / "trainer_state.pt", weights_only=False)["state"]["step"] == steps
+    log = (out / "engine.log").read_text()
+    assert "Finished server process" in log and "Traceback" not in log  # stopped by the trainer, not orphaned
+    url = re.search(r"Uvicorn running on (http://\S+)", log).group(1)
+    with pytest.raises(httpx.TransportError):  # nothing answers where the engine served
+        httpx.get(url + "/health", timeout=5)

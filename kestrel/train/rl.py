@@ -50,6 +50,7 @@ from kestrel.train.rl_curves import plot_curves
 from kestrel.train.rl_tasks import Prompt, TaskMix, score
 from kestrel.train.rollout_client import EngineProcess, RolloutClient, adapter_checksum, check_versions
 from kestrel.train.routing_replay import Rollout, sequence_logprobs
+from kestrel.train.stop_signal import STOP
 
 log = logging.getLogger(__name__)
 STATE_FILE, ADAPTER_DIR = "trainer_state.pt", "adapter"
@@ -442,10 +443,16 @@ class GRPOTrainer:
         quiet = self.rank != 0 or not self.job.progress
         bar = tqdm(total=cfg.steps, initial=self.state.step, desc="grpo", dynamic_ncols=True, disable=quiet)
         metrics = (self.out / "metrics.jsonl").open("a") if self.rank == 0 else None
+        signalled = False
         try:
             while self.state.step < cfg.steps:
                 over = cfg.max_minutes is not None and time.perf_counter() - start > cfg.max_minutes * 60
-                if _reduce([float(over)], self.groups, self.device)[0]:  # rank 0's clock decides for all
+                # Summed over ranks so all agree; only rank 0 takes signals (spawned ranks ignore SIGINT / SIGTERM).
+                over, signalled = _reduce([float(over), float(STOP.requested is not None)], self.groups, self.device)
+                if signalled:
+                    log.warning("%s: stopping at step %d, saving", STOP.requested or "a signal", self.state.step)
+                    break
+                if over:
                     log.warning("time budget of %.1f min reached at step %d", cfg.max_minutes, self.state.step)
                     break
                 row = self.train_step()
@@ -469,7 +476,7 @@ class GRPOTrainer:
                 bar.update(1)
                 if self.state.step % cfg.save_every == 0:
                     self.save()
-            if cfg.eval_every and evaluated_at != self.state.step:  # stopped by the time budget
+            if cfg.eval_every and evaluated_at != self.state.step and not signalled:  # stopped by the time budget
                 self._evaluate_all_ranks()
             self.state.seconds = time.perf_counter() - start
             self.save()
@@ -502,12 +509,12 @@ def run_rl(job: RLJob, nproc: int = 1, dist_timeout: float = 1800.0) -> RLState:
     check_config(job.config, nproc)
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
-    if job.rollout_urls:
-        return _train(job, nproc, dist_timeout)
-
-    flags = engine_flags(job.config, load_model_config(job.model_path))
-    with EngineProcess(job.model, flags, out / "engine.log", job.config.threads) as engine:
-        return _train(replace(job, rollout_urls=[engine.url]), nproc, dist_timeout)
+    with STOP.installed():  # SIGINT / SIGTERM: finish the step, save, stop the engine, return
+        if job.rollout_urls:
+            return _train(job, nproc, dist_timeout)
+        flags = engine_flags(job.config, load_model_config(job.model_path))
+        with EngineProcess(job.model, flags, out / "engine.log", job.config.threads) as engine:
+            return _train(replace(job, rollout_urls=[engine.url]), nproc, dist_timeout)
 
 
 def _train(job: RLJob, nproc: int, dist_timeout: float) -> RLState:

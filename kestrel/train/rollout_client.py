@@ -128,7 +128,10 @@ class EngineProcess:
     def __enter__(self) -> EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+            # Its own session: a terminal's Ctrl-C reaches the trainer only, which stops the engine after its step.
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         deadline = time.monotonic() + self.timeout
         while True:
             with contextlib.suppress(httpx.TransportError):

@@ -1,0 +1,42 @@
+"""SIGINT / SIGTERM as a request to stop at the next step boundary, so a trainer saves a resumable state, stops the
+engine it started and exits 0; a second signal interrupts at once (KeyboardInterrupt)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+
+
+class StopSignal:
+    """`installed()` takes over SIGINT and SIGTERM in this process's main thread; `requested` then names the first
+    signal that arrived (None until one does)."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        log.warning("%s: stopping after this step (send it again to stop at once)", self.requested)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopSignal]:
+        self.requested = None
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals only reach the main thread; whoever owns it decides
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+STOP = StopSignal()  # the process's one: `run_rl` installs it, the trainer's loop reads it
