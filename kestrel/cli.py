@@ -233,6 +233,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from kestrel.train.rl import RLJob, run_rl
     from kestrel.train.rl_ship import ship_adapter, summarize
     from kestrel.train.rollout_client import RolloutError
+    from kestrel.train.stop_signal import stopped_early
 
     recipe = RL_RECIPES[args.recipe]
     overrides = {k: v for k, v in vars(args).items() if k in RL_OVERRIDES and v is not None}
@@ -255,7 +256,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     root = Path(out)
     print(f"adapter: {root / 'adapter'}; curves: {root / 'rl_curves.png'}; per step: {root / 'metrics.jsonl'}")
-    if args.ship:
+    if args.ship and not stopped_early():
         print(f"shipped to {ship_adapter(job, state, args.recipe)}")
     return 0
 

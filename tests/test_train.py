@@ -110,3 +110,48 @@ def test_short_training_lowers_held_out_loss_and_resumes(tmp_path):
     resumed = run_sft("tiny", tmp_path / "run", steps=50)
     assert resumed.state.step == 50 and resumed.state.train_loss[39][0] == 40
     assert json.loads((tmp_path / "run" / "train_config.json").read_text())["steps"] == 50
+
+
+def test_stop_signal_asks_for_a_stop_once_then_interrupts_and_restores_the_handlers():
+    import os
+    import signal
+
+    from kestrel.train.stop_signal import STOP, stopped_early
+
+    before = signal.getsignal(signal.SIGTERM)
+    with STOP.installed():
+        assert STOP.requested is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert STOP.requested == "SIGTERM"  # the handler ran; nothing was raised
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before and stopped_early()  # --ship refuses a signalled run
+    with STOP.installed():
+        assert not stopped_early()
+
+
+def test_sigterm_stops_sft_after_its_step_with_the_checkpoint_saved(tmp_path):
+    """`kestrel train sft` on SIGTERM: the step in flight finishes, the checkpoint and trainer state are saved at
+    the step reached, the process exits 0 without a traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    out, err = tmp_path / "run", tmp_path / "stderr.log"
+    cmd = [sys.executable, "-m", "kestrel.cli", "train", "sft", "--recipe", "tiny", "--out", str(out)]
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([*cmd, "--steps", "100000"], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    deadline = time.monotonic() + 180
+    while " 3/100000 " not in err.read_text():  # tqdm's count: three steps done
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    log = err.read_text()
+    assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
+    step = torch.load(out / "trainer_state.pt", weights_only=False)["state"]["step"]
+    assert 3 <= step < 100000 and f"trained {step} steps" in stdout and "SIGTERM: stopping at step" in log
+    assert (out / "checkpoint" / "config.json").exists()

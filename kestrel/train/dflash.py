@@ -30,6 +30,7 @@ from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.loader import load_model, load_weights
 from kestrel.spec.draft import EMBEDDED_DRAFT_DIR, DFlashDraft, DraftConfig, save_draft
 from kestrel.train.data import episodes
+from kestrel.train.stop_signal import STOP, stopped_early
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,22 @@ class DFlashTrainer:
         if not self.state.eval_accept:
             self.state.eval_accept.append((0, self.evaluate()))
         bar = tqdm(total=cfg.steps, initial=self.state.step, desc="dflash", dynamic_ncols=True)
+        with STOP.installed():
+            self._loop(start, bar)
+        bar.close()
+        self.state.seconds = time.perf_counter() - start
+        if not STOP.requested and self.state.eval_accept[-1][0] != self.state.step:
+            self.state.eval_accept.append((self.state.step, self.evaluate()))
+        self.save()
+        self.plot()
+        return self.state
+
+    def _loop(self, start: float, bar: tqdm) -> None:
+        cfg = self.cfg
         while self.state.step < cfg.steps:
+            if STOP.requested:
+                log.warning("%s: stopping at step %d, saving", STOP.requested, self.state.step)
+                break
             elapsed = time.perf_counter() - start
             if cfg.max_minutes is not None and elapsed > cfg.max_minutes * 60:
                 log.warning("time budget of %.1f min reached at step %d", cfg.max_minutes, self.state.step)
@@ -286,13 +302,6 @@ class DFlashTrainer:
             if self.state.step % cfg.save_every == 0:
                 self.state.seconds = time.perf_counter() - start
                 self.save()
-        bar.close()
-        self.state.seconds = time.perf_counter() - start
-        if self.state.eval_accept[-1][0] != self.state.step:
-            self.state.eval_accept.append((self.state.step, self.evaluate()))
-        self.save()
-        self.plot()
-        return self.state
 
     def plot(self) -> Path:
         import matplotlib
@@ -359,6 +368,6 @@ def run_dflash(
         raise ValueError("--ship: the shipped draft belongs to the embedded model (--target kestrel-mini)")
     trainer = DFlashTrainer(path, Path(out_dir), cfg)
     trainer.train()
-    if ship:
+    if ship and not stopped_early():
         ship_draft(trainer)
     return trainer

@@ -17,6 +17,7 @@ from kestrel.tokenizer import save_tokenizer
 from kestrel.train.data import HELD_OUT, episodes
 from kestrel.train.recipes import RECIPES, k3_mini_config, with_vision_tower
 from kestrel.train.sft import SFTTrainer, trained_model
+from kestrel.train.stop_signal import stopped_early
 from kestrel.train.tokenizer import corpus_texts, train_tokenizer
 from kestrel.train.vision_data import vision_episodes
 
@@ -68,7 +69,7 @@ def run_sft(
 def finish_sft(trainer: SFTTrainer, ship: bool) -> SFTTrainer:
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
-    if ship:
+    if ship and not stopped_early():
         ship_embedded(trainer)
     return trainer
 

@@ -31,6 +31,7 @@ from kestrel.models.vision.inputs import encode_images, image_offsets, splice_ro
 from kestrel.models.vision.preprocess import image_tokens, preprocess_image
 from kestrel.tokenizer import load_tokenizer, save_tokenizer
 from kestrel.train.data import Episode
+from kestrel.train.stop_signal import STOP
 from kestrel.train.vision_data import IMAGE_SIZE, render_image
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,22 @@ class SFTTrainer:
         if not self.state.eval_loss:
             self.state.eval_loss.append((0, self.evaluate()))
         bar = tqdm(total=cfg.steps, initial=self.state.step, desc="sft", dynamic_ncols=True)
+        with STOP.installed():
+            self._loop(start, bar)
+        bar.close()
+        self.state.seconds = time.perf_counter() - start
+        if not STOP.requested and (not self.state.eval_loss or self.state.eval_loss[-1][0] != self.state.step):
+            self.state.eval_loss.append((self.state.step, self.evaluate()))
+        self.save()
+        self.plot_loss()
+        return self.state
+
+    def _loop(self, start: float, bar: tqdm) -> None:
+        cfg = self.cfg
         while self.state.step < cfg.steps:
+            if STOP.requested:
+                log.warning("%s: stopping at step %d, saving", STOP.requested, self.state.step)
+                break
             if cfg.max_minutes is not None and time.perf_counter() - start > cfg.max_minutes * 60:
                 log.warning("time budget of %.1f min reached at step %d", cfg.max_minutes, self.state.step)
                 break
@@ -318,13 +334,6 @@ class SFTTrainer:
             if self.state.step % cfg.save_every == 0:
                 self.state.seconds = time.perf_counter() - start
                 self.save()
-        bar.close()
-        self.state.seconds = time.perf_counter() - start
-        if not self.state.eval_loss or self.state.eval_loss[-1][0] != self.state.step:
-            self.state.eval_loss.append((self.state.step, self.evaluate()))
-        self.save()
-        self.plot_loss()
-        return self.state
 
     def plot_loss(self) -> Path:
         import matplotlib

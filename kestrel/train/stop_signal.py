@@ -39,4 +39,11 @@ class StopSignal:
                 signal.signal(sig, handler)
 
 
-STOP = StopSignal()  # the process's one: `run_rl` installs it, the trainer's loop reads it
+STOP = StopSignal()  # the process's one: the trainers install it around their loops and read it
+
+
+def stopped_early() -> bool:
+    """A signal ended the last run: its result is a checkpoint to resume, not one to ship (`--ship` says so)."""
+    if STOP.requested:
+        log.warning("%s ended the run early: not shipping (resume with the same --out, then ship)", STOP.requested)
+    return STOP.requested is not None

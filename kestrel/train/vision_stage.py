@@ -37,6 +37,7 @@ from kestrel.models.vision.preprocess import preprocess_image
 from kestrel.tokenizer import save_tokenizer
 from kestrel.train.recipes import VISION_STAGES, VisionMix, with_vision_tower
 from kestrel.train.sft import SFTTrainer, trained_model
+from kestrel.train.stop_signal import stopped_early
 from kestrel.train.vision_data import KINDS, render_image, vision_episodes
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def run_vision_stage(
     trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model)
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
-    if ship:
+    if ship and not stopped_early():
         ship_vision(trainer, base_dir, stage_name)
     return trainer
 
