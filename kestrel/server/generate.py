@@ -35,6 +35,8 @@ _RENAMES = {
 _FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 _RENAMES |= {f: f"sampling_params.{f}" for f in (*_FIELDS, "repetition_penalty", "stop", "stop_token_ids")}
 
+CAPTURE_FIELDS = ("routed_experts", "indexer_topk")  # return_X per request, enable_return_X per server
+
 
 async def _prompts(req: GenerateRequest, ctx: ServingContext) -> tuple[list[list[int]], bool]:
     """The prompts' token ids, and whether the request was a batch (which answers with a list)."""
@@ -86,18 +88,22 @@ def _check_logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int 
     return req.top_logprobs_num
 
 
-def _check_capture(req: GenerateRequest, ctx: ServingContext) -> GenerateRequest:
-    """Capture is recorded for every token only when the server was started for it (SGLang's two-level opt-in);
-    with `--capture-by-default` every request asks for what the server records (the request as served)."""
+def _check_capture(req: GenerateRequest, ctx: ServingContext) -> None:
+    """Capture is recorded for every token only when the server was started for it (SGLang's two-level opt-in)."""
     config = ctx.engine.engine_config
-    for name in ("routed_experts", "indexer_topk"):
+    for name in CAPTURE_FIELDS:
         if getattr(req, f"return_{name}") and not getattr(config, f"enable_return_{name}"):
             flag = f"--enable-return-{name.replace('_', '-')}"
             raise APIError(400, f"return_{name}: start the server with {flag}", param=f"return_{name}")
+
+
+def _with_default_capture(req: GenerateRequest, ctx: ServingContext) -> GenerateRequest:
+    """`--capture-by-default`: the request as if it had asked for every table the server records."""
+    config = ctx.engine.engine_config
     if not config.capture_by_default:
         return req
-    names = ("routed_experts", "indexer_topk")
-    return req.model_copy(update={f"return_{n}": True for n in names if getattr(config, f"enable_return_{n}")})
+    wanted = {f"return_{name}": True for name in CAPTURE_FIELDS if getattr(config, f"enable_return_{name}")}
+    return req.model_copy(update=wanted)
 
 
 def _finish(reason: str | None, num_tokens: int) -> dict[str, Any] | None:
@@ -179,7 +185,8 @@ def _b64(rows) -> str:
 async def generate(req: GenerateRequest, client: HTTPRequest, ctx: ServingContext):
     prompts, batch = await _prompts(req, ctx)
     prompt_logprobs = _check_logprob_start(req, prompts)
-    req = _check_capture(req, ctx)
+    _check_capture(req, ctx)
+    req = _with_default_capture(req, ctx)
     logprobs = req.top_logprobs_num if req.return_logprob else None
     longest = max(len(p) for p in prompts)
     params = make_params(
