@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailure as exc:  # --tp: a rank died, the others were stopped
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C where the first one asked for a clean stop (`kestrel rl`)
+    except KeyboardInterrupt:  # a second Ctrl-C where the first asked for a clean stop (`kestrel rl`, `train`)
         print("interrupted", file=sys.stderr)
         return 130
 
