@@ -367,13 +367,16 @@ def test_a_signal_stops_kestrel_rl_after_its_step_saved_with_its_engine_stopped(
     out = tmp_path / "signalled"
     cmd = [sys.executable, "-m", "kestrel.cli", "rl", "--recipe", "tiny", "--model", tiny, "--out", str(out)]
     cmd += ["--steps", "1000", "--eval-every", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = tmp_path / "stderr.log"  # a file: a full pipe would block the trainer
+    with open(err, "w") as stderr_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr_file, text=True)
     metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
         time.sleep(0.2)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=90)
+    stdout, _ = proc.communicate(timeout=90)
+    stderr = err.read_text()
     assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
     steps = metrics.read_text().count("\n")
     assert json.loads(stdout.split("\nadapter: ")[0])["steps"] == steps
