@@ -276,8 +276,7 @@ class DFlashTrainer:
     def _loop(self, start: float, bar: tqdm) -> None:
         cfg = self.cfg
         while self.state.step < cfg.steps:
-            if STOP.requested:
-                log.warning("%s: stopping at step %d, saving", STOP.requested, self.state.step)
+            if STOP.stop_here(self.state.step):
                 break
             elapsed = time.perf_counter() - start
             if cfg.max_minutes is not None and elapsed > cfg.max_minutes * 60:

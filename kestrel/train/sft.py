@@ -298,8 +298,7 @@ class SFTTrainer:
     def _loop(self, start: float, bar: tqdm) -> None:
         cfg = self.cfg
         while self.state.step < cfg.steps:
-            if STOP.requested:
-                log.warning("%s: stopping at step %d, saving", STOP.requested, self.state.step)
+            if STOP.stop_here(self.state.step):
                 break
             if cfg.max_minutes is not None and time.perf_counter() - start > cfg.max_minutes * 60:
                 log.warning("time budget of %.1f min reached at step %d", cfg.max_minutes, self.state.step)

@@ -25,6 +25,12 @@ class StopSignal:
         self.requested = signal.Signals(signum).name
         log.warning("%s: stopping after this step (send it again to stop at once)", self.requested)
 
+    def stop_here(self, step: int) -> bool:
+        """A trainer loop's check at a step boundary: True (and logged) once a signal has asked for a stop."""
+        if self.requested is not None:
+            log.warning("%s: stopping at step %d, saving", self.requested, step)
+        return self.requested is not None
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopSignal]:
         self.requested = None
