@@ -65,3 +65,41 @@ def test_pool_sizing_from_mem_fraction_logs_capacity(tiny_checkpoints, caplog):
     stats = llm.engine.stats()
     assert stats["pages_total"] * llm.engine.config.page_size <= 4 * 256 + llm.engine.config.page_size
     assert any("capacity:" in r.message for r in caplog.records)
+
+
+def test_state_checkpoints_take_their_memory_share_of_the_kv_pool(tiny_checkpoints, monkeypatch):
+    """Checkpoints get `state_checkpoint_memory_ratio` of the KV pool's bytes (at least 2 per running request); under
+    `mem_fraction` the KV pool, the running requests' slots and the checkpoints share the budget."""
+    from kestrel.cache.state_pool import state_bytes_per_slot
+    from kestrel.engine import capacity
+
+    path = str(tiny_checkpoints["kimi_linear"])
+
+    def sizes(**kw) -> tuple[int, int, int, int]:
+        engine = LLM(path, max_running_requests=2, **kw).engine
+        slot_bytes = state_bytes_per_slot(engine.model.cfg, torch.float32)
+        kv_bytes = engine.pages.num_pages * engine.config.page_size * engine.kv_bytes_per_token
+        return engine.slots.num_slots, kv_bytes, slot_bytes, engine.config.page_size
+
+    reserved = 2 + 2  # a slot and a tail slot per running request
+    slots, kv_bytes, slot_bytes, _ = sizes(max_total_tokens=8192)
+    assert slots - reserved == max(4, int(0.25 * kv_bytes // slot_bytes)) > 4
+    slots, kv_bytes, slot_bytes, _ = sizes(max_total_tokens=8192, state_checkpoint_memory_ratio=1.0)
+    assert slots - reserved == int(kv_bytes // slot_bytes)
+    assert sizes(max_total_tokens=8192, state_checkpoint_memory_ratio=0.0)[0] == reserved + 4
+    assert sizes(max_total_tokens=8192, max_state_checkpoints=3)[0] == reserved + 3
+    assert sizes(max_total_tokens=8192, enable_prefix_caching=False)[0] == 2
+
+    budget = 4 << 20
+    monkeypatch.setattr(capacity, "free_memory_bytes", lambda device: budget)
+    slots, kv_bytes, slot_bytes, _ = sizes(mem_fraction=1.0, max_model_len=1 << 20)
+    assert slots * slot_bytes + kv_bytes <= budget  # rollout records are off: KV bytes are all the pages hold
+    assert (slots - reserved) * slot_bytes == pytest.approx(0.25 * kv_bytes, rel=0.01)
+
+
+def test_state_checkpoint_memory_ratio_must_not_be_negative():
+    from kestrel.config import ConfigError
+    from kestrel.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="state_checkpoint_memory_ratio"):
+        EngineConfig(state_checkpoint_memory_ratio=-0.5)

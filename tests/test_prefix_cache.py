@@ -253,3 +253,26 @@ def test_checkpoint_only_on_disk_is_used_when_the_device_covers_the_prompt(tiny_
     assert out.token_ids == expected
     assert out.cached_tokens == 144 and out.cached_tokens_by_tier == {"device": 144, "host": 0, "disk": 0}
     _assert_idle_and_clear(llm)
+
+
+def test_one_running_request_keeps_checkpoints_for_prompts_that_come_back(tiny_checkpoints):
+    """Checkpoints are sized by memory (a share of the KV pool), not 2 per running request: with one running request
+    the old budget of 2 was evicted before any of several alternating prompts came back, so nothing ever hit."""
+    args = dict(max_running_requests=1, max_total_tokens=8192, page_size=PAGE, state_track_interval=32)
+    prompts = [_tokens(40 + 9 * i, seed=50 + i) for i in range(5)]
+
+    def two_rounds(llm: LLM) -> tuple[list, list, int]:
+        first = llm.generate(prompts, _greedy(5), use_tqdm=False)
+        second = llm.generate(prompts, _greedy(5), use_tqdm=False)
+        return first, second, llm.engine.stats()["prefix_cache_hit_tokens"]
+
+    sized = LLM(str(tiny_checkpoints["kimi_linear"]), **args)
+    assert sized.engine.slots.num_slots > 2 + 2  # a running slot and its tail slot, then the checkpoints
+    first, second, hits = two_rounds(sized)
+    assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
+    assert all(o.outputs[0].cached_tokens > 0 for o in second), "a prompt seen before must hit"
+    assert all(o.outputs[0].cached_tokens == 0 for o in first)
+    _assert_idle_and_clear(sized)
+
+    _, _, old_hits = two_rounds(LLM(str(tiny_checkpoints["kimi_linear"]), max_state_checkpoints=2, **args))
+    assert old_hits < hits

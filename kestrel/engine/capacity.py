@@ -1,4 +1,5 @@
-"""How big the engine's pools are: KDA state slots from the request limits, KV pages from free memory.
+"""How big the engine's pools are: KDA state slots from the request limits plus the prefix cache's checkpoints
+(a share of the KV memory), KV pages from free memory.
 
 Kept apart from the step loop so the sizing rules (what a slot or a page is reserved for) read in one place; the
 planner (`kestrel/plan.py`) predicts the same figures for a deployment."""
@@ -6,6 +7,7 @@ planner (`kestrel/plan.py`) predicts the same figures for a deployment."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -32,33 +34,72 @@ def free_memory_bytes(device: torch.device) -> int:
     return info.get("MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def num_state_slots(config: EngineConfig, cfg: ModelConfig) -> int:
-    """KDA state slots: one per running request, plus (prefix cache) a tail slot each and checkpoints."""
+@dataclass(frozen=True)
+class PoolSizes:
+    """The engine's pools: KDA state slots (of which `checkpoints` are the prefix cache's) and KV pages."""
+
+    num_slots: int
+    num_pages: int
+    checkpoints: int
+
+
+def reserved_state_slots(config: EngineConfig, cfg: ModelConfig) -> int:
+    """Slots the running requests need: one each, with the prefix cache a tail slot each, and snapshot rollback's
+    B-1 per verify block (ReplaySSM needs none)."""
     if not cfg.kda_layers:
         return 0
-    # Snapshot rollback borrows B-1 slots per verify block (ReplaySSM needs none).
     spec = 0
     if config.speculative_algorithm and not config.enable_linear_replayssm_spec:
         spec = (config.speculative_num_draft_tokens - 1) * config.max_running_requests
-    if not config.enable_prefix_caching:
-        return config.max_running_requests + spec
-    checkpoints = config.max_state_checkpoints
-    if checkpoints is None:
-        checkpoints = 2 * config.max_running_requests
-    return 2 * config.max_running_requests + checkpoints + spec
+    tails = config.max_running_requests if config.enable_prefix_caching else 0
+    return config.max_running_requests + tails + spec
 
 
-def num_kv_pages(
+def pool_sizes(
     config: EngineConfig,
     cfg: ModelConfig,
     rank_cfg: ModelConfig,
     device: torch.device,
     kv_bytes_per_token: int,
-    num_slots: int,
     max_model_len: int,
+) -> PoolSizes:
+    """State slots and KV pages together.
+
+    Checkpoints are what lets a later request resume a cached prefix's KDA state, so they are sized by memory, as
+    SGLang sizes its mamba pool against the full-attention KV: `state_checkpoint_memory_ratio` of the KV pool's
+    bytes (under `mem_fraction` the two share the budget), never fewer than 2 per running request. A fixed
+    2 per running request left an `LLM(max_running_requests=1)` 2 checkpoints, evicted before any prompt came back.
+    """
+    reserved = reserved_state_slots(config, cfg)
+    slot_bytes = state_bytes_per_slot(rank_cfg, DTYPES[config.dtype])
+
+    def pages(slots: int, share: float = 1.0) -> int:
+        return num_kv_pages(config, cfg, device, kv_bytes_per_token, slots * slot_bytes, max_model_len, share)
+
+    if not cfg.kda_layers or not config.enable_prefix_caching:
+        return PoolSizes(reserved, pages(reserved), 0)
+    floor = 2 * config.max_running_requests
+    if config.max_state_checkpoints is not None:
+        checkpoints = config.max_state_checkpoints
+        return PoolSizes(reserved + checkpoints, pages(reserved + checkpoints), checkpoints)
+    ratio = config.state_checkpoint_memory_ratio
+    num_pages = pages(reserved + floor, 1 / (1 + ratio))  # the KV pool's share; checkpoints get the rest
+    kv_bytes = num_pages * config.page_size * kv_bytes_per_token
+    checkpoints = max(floor, int(ratio * kv_bytes // slot_bytes))
+    return PoolSizes(reserved + checkpoints, num_pages, checkpoints)
+
+
+def num_kv_pages(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    device: torch.device,
+    kv_bytes_per_token: int,
+    state_bytes: int,
+    max_model_len: int,
+    share: float = 1.0,
 ) -> int:
-    """KV pages: `max_total_tokens`, or what `mem_fraction` of free memory holds after the state slots (of this
-    rank's heads, `rank_cfg`), capped at every running request filling the context."""
+    """KV pages: `max_total_tokens`, or `share` of what `mem_fraction` of free memory holds after `state_bytes` of
+    state slots, capped at every running request filling the context."""
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     else:
@@ -67,8 +108,7 @@ def num_kv_pages(
             per_token += record_bytes_per_token(
                 cfg, config.enable_return_routed_experts, config.enable_return_indexer_topk
             )
-        budget = free_memory_bytes(device) * config.mem_fraction
-        budget -= num_slots * state_bytes_per_slot(rank_cfg, DTYPES[config.dtype])
+        budget = (free_memory_bytes(device) * config.mem_fraction - state_bytes) * share
         tokens = int(budget // per_token)
         tokens = min(tokens, config.max_running_requests * max_model_len)
     if tokens < config.page_size:

@@ -55,7 +55,14 @@ class EngineConfig:
         default=-1, metadata={"help": "KDA state checkpoints kept per cached prefix (-1: unlimited)"}
     )
     max_state_checkpoints: int | None = field(
-        default=None, metadata={"help": "KDA state checkpoints kept in all (default: 2 × --max-running-requests)"}
+        default=None,
+        metadata={"help": "KDA state checkpoints kept in all (default: what --state-checkpoint-memory-ratio holds)"},
+    )
+    state_checkpoint_memory_ratio: float = field(
+        default=0.25,
+        metadata={
+            "help": "memory for KDA state checkpoints as a fraction of the KV pool's (at least 2 per running request)"
+        },
     )
     hicache_size: float = field(default=0.0, metadata={"help": "GB of host memory for evicted pages (0: no host tier)"})
     hicache_storage_dir: str | None = field(
@@ -254,6 +261,7 @@ class EngineConfig:
         )
         need(self.max_states_per_path >= -1, "max_states_per_path", "must be >= 0, or -1 for unlimited")
         need(self.max_state_checkpoints is None or self.max_state_checkpoints >= 0, "max_state_checkpoints", ">= 0")
+        need(self.state_checkpoint_memory_ratio >= 0, "state_checkpoint_memory_ratio", "must be >= 0")
         need(self.encoder_cache_tokens >= 0, "encoder_cache_tokens", "must be >= 0")
         need(self.num_threads >= 0, "num_threads", "must be >= 0 (0: torch's default)")
         need(self.compile_max_bs >= 1, "compile_max_bs", "must be >= 1")

@@ -26,7 +26,7 @@ from kestrel.dist.engine_ranks import engine_groups
 from kestrel.dist.pp import stage_configs
 from kestrel.dist.runner import DistModelRunner
 from kestrel.dist.tensor_parallel import load_sharded_model
-from kestrel.engine.capacity import DTYPES, num_kv_pages, num_state_slots, resolve_device
+from kestrel.engine.capacity import DTYPES, pool_sizes, resolve_device
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.encoder_cache import EncoderCache
@@ -78,15 +78,13 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        num_slots = num_state_slots(config, cfg)
         # Per rank: DCP shards every page's tokens; pipeline stages hold their layers' pools only (the fullest one
         # bounds the pool every stage allocates).
         views = [cfg] if self.groups is None else stage_configs(cfg, self.groups.layout)
         kv_dtype, kv_format = DTYPES[config.dtype], config.kv_cache_dtype
         self.kv_bytes_per_token = max(kv_bytes_per_token(v, kv_dtype, kv_format) for v in views) // config.dcp
-        num_pages = num_kv_pages(
-            config, cfg, self.model.cfg, self.device, self.kv_bytes_per_token, num_slots, self.max_model_len
-        )
+        sizes = pool_sizes(config, cfg, self.model.cfg, self.device, self.kv_bytes_per_token, self.max_model_len)
+        num_slots, num_pages = sizes.num_slots, sizes.num_pages
         self.pages = PageAllocator(num_pages, config.page_size)
         self.slots = SlotAllocator(num_slots)  # no slots for models without KDA layers
         compile_max_bs = 0
@@ -162,13 +160,15 @@ class Engine:
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
         log.info(
-            "capacity: %d KV tokens (%d pages of %d, %s, %d B/token), %d KDA state slots, max model len %d, device %s",
+            "capacity: %d KV tokens (%d pages of %d, %s, %d B/token), %d KDA state slots (%d for prefix-cache "
+            "checkpoints), max model len %d, device %s",
             num_pages * config.page_size,
             num_pages,
             config.page_size,
             config.kv_cache_dtype,
             self.kv_bytes_per_token,
             num_slots,
+            sizes.checkpoints,
             self.max_model_len,
             self.device,
         )
