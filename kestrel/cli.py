@@ -213,11 +213,19 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
 
     out = Path(args.out or "out/vision-mini")
     trainer = run_vision_stage(
-        args.stage, args.base, out, steps=args.steps, max_minutes=args.max_minutes, ship=args.ship
+        args.stage,
+        args.base,
+        out,
+        steps=args.steps,
+        max_minutes=args.max_minutes,
+        ship=args.ship,
+        lora_rank=args.lora_rank,
     )
     state = trainer.state
     print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
     print(f"checkpoint: {out / 'checkpoint'}; loss curve: {out / 'loss_curve.png'}")
+    if trainer.adapter is not None:
+        print(f"language-model adapter: {out / 'adapter'} (evaluate with --lora {out / 'adapter'})")
     return 0
 
 
@@ -409,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--target", default="kestrel-mini", help="dflash: target model (kestrel-mini or a folder)")
     tr.add_argument("--base", default="kestrel-mini", help="vision: frozen text model (kestrel-mini or a folder)")
     tr.add_argument("--stage", default="mini", choices=list(VISION_STAGES), help="vision: tower size and schedule")
+    tr.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="vision: also train a LoRA adapter of this rank on the frozen text model (0: none; default: the stage's)",
+    )
     tr.add_argument("--out", default=None, help="default: out/sft-mini, out/dflash-mini or out/vision-mini")
     tr.add_argument("--steps", type=int, default=None)
     tr.add_argument(

@@ -107,3 +107,29 @@ def test_the_short_reply_style_reads_back_as_its_answer(kind, answer):
 
     reasoning, content = _reply(kind, answer, "short")
     assert vision_answer(kind, f"<think>{reasoning}</think>{content}") == answer
+
+
+def test_a_vision_stage_with_an_adapter_trains_it_beside_the_frozen_text_model_and_resumes_it(
+    tiny_checkpoints, tmp_path
+):
+    """`--lora-rank`: tower and a PEFT adapter learn, every text tensor stays byte-identical, the adapter trains only
+    the language model's attention / dense projections, and a resumed run starts from the saved adapter."""
+    from kestrel.models.lora import load_peft
+    from kestrel.train.recipes import VISION_LORA_TARGETS
+
+    base, out = tiny_checkpoints["kimi_k3"], tmp_path / "run"
+    first = run_vision_stage("tiny", base, out, steps=1, lora_rank=2)
+    saved = load_peft(out / "adapter")
+    assert saved.r == 2 and set(saved.weights) == set(first.adapter.weights)
+    assert all(".experts." not in m and m.rsplit(".", 1)[-1] in VISION_LORA_TARGETS for m in saved.weights)
+    assert not any(m.startswith(VISION_PREFIXES) for m in saved.weights)
+    assert any(b.abs().sum() > 0 for _, b in saved.weights.values()), "B starts at zero: one step must move it"
+    assert text_weights_sha256(out / "checkpoint") == text_weights_sha256(base)
+
+    again = run_vision_stage("tiny", base, out, steps=1, lora_rank=2)  # resumes at step 1: nothing left to train
+    assert again.state.step == 1
+    for module, (a, b) in load_peft(out / "adapter").weights.items():
+        assert torch.equal(a, saved.weights[module][0]) and torch.equal(b, saved.weights[module][1]), module
+
+    with pytest.raises(ValueError, match="adapter cannot ship"):
+        run_vision_stage("tiny", EMBEDDED_DIR, tmp_path / "ship", steps=1, ship=True, lora_rank=2)

@@ -238,11 +238,24 @@ RECIPES = {
 
 @dataclass
 class VisionStage:
-    """One stage-1 run: the tower's shape, how many episodes, and the optimiser (text weights frozen)."""
+    """One stage-1 run: the tower's shape, how many episodes, and the optimiser (text weights frozen).
+
+    `lora_rank` > 0 also trains a LoRA adapter on the frozen language model's attention and dense / shared-expert
+    projections (`VISION_LORA_TARGETS`; routed experts and router untouched): a frozen tiny decoder barely reads
+    image features, an adapter lets it (Phi-4-multimodal ships its vision LoRA the same way, beside the base)."""
 
     tower: VisionMix
     eval_episodes: int
     sft: SFTConfig = field(default_factory=SFTConfig)
+    lora_rank: int = 0
+
+
+# The projections a vision stage's adapter trains (PEFT's target_modules). gate/up/down also name the routed
+# experts' projections: `vision_adapter` leaves those out.
+VISION_LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+    "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
 
 
 VISION_STAGES = {

@@ -27,15 +27,18 @@ from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers.moe import MoE
 from kestrel.models.loader import build_model, load_model, load_weights
+from kestrel.models.lora import LoRAAdapter, load_peft
 from kestrel.models.vision.inputs import encode_images, image_offsets, splice_rows
 from kestrel.models.vision.preprocess import image_tokens, preprocess_image
 from kestrel.tokenizer import load_tokenizer, save_tokenizer
 from kestrel.train.data import Episode
+from kestrel.train.lora import attach_trainable, save_adapter
 from kestrel.train.stop_signal import STOP
 from kestrel.train.vision_data import IMAGE_SIZE, render_image
 
 log = logging.getLogger(__name__)
 # (token ids, learn mask[, image specs]): what the trainer packs; specs are drawn by `render_image` per batch.
+ADAPTER_DIR = "adapter"  # under the output folder: a trained adapter (PEFT format) beside checkpoint/
 Example = tuple[list[int], list[bool]] | tuple[list[int], list[bool], list[tuple[str, int]]]
 
 
@@ -198,14 +201,20 @@ class SFTTrainer:
         cfg: SFTConfig,
         out_dir: str | Path,
         model: CausalLM | None = None,
+        adapter: LoRAAdapter | None = None,
     ) -> None:
-        """`model`: start from these weights (e.g. a shipped text model plus a fresh tower) instead of random ones."""
+        """`model`: start from these weights (e.g. a shipped text model plus a fresh tower) instead of random ones.
+        `adapter`: a fresh LoRA adapter trained beside the (frozen) text weights, saved in PEFT format under
+        `out_dir/adapter` (with `freeze_text`: the vision stage's language-model adapter)."""
         self.cfg, self.out = cfg, Path(out_dir)
         self.model_config_dict = model_config
         self.tokenizer = tokenizer
         torch.manual_seed(cfg.seed)
         mc = model_config_from_dict(model_config)
         self.model = model if model is not None else init_random_(build_model(mc, torch.float32), cfg.seed)
+        self.adapter, adapter_params = adapter, []
+        if adapter is not None:
+            _, adapter_params = attach_trainable(self.model, adapter)  # freezes every model weight
         if cfg.freeze_text:
             if not self.model.has_vision:
                 raise ValueError("freeze_text trains the vision tower, but the model config has no vision_config")
@@ -215,7 +224,7 @@ class SFTTrainer:
         self.eval_set = [encode_example(tokenizer, ep, mc.vision) for ep in held_out]
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         decay = [p for n, p in trainable if p.dim() >= 2 and "embed" not in n]
-        other = [p for n, p in trainable if not (p.dim() >= 2 and "embed" not in n)]
+        other = [p for n, p in trainable if not (p.dim() >= 2 and "embed" not in n)] + adapter_params
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=cfg.lr,
@@ -233,6 +242,12 @@ class SFTTrainer:
             return
         saved = torch.load(state_file, weights_only=False)
         load_weights(self.model, self.out / "checkpoint")
+        if self.adapter is not None:
+            saved_adapter = load_peft(self.out / ADAPTER_DIR)
+            with torch.no_grad():
+                for module, (a, b) in self.adapter.weights.items():
+                    a.copy_(saved_adapter.weights[module][0])
+                    b.copy_(saved_adapter.weights[module][1])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.state = TrainState(**saved["state"])
         self.rng.setstate(saved["rng"])
@@ -243,6 +258,8 @@ class SFTTrainer:
         dtype = torch.bfloat16 if self.cfg.save_dtype == "bfloat16" else None
         save_checkpoint(self.model, self.model_config_dict, ckpt, dtype=dtype)
         save_tokenizer(self.tokenizer, ckpt)
+        if self.adapter is not None:
+            save_adapter(self.adapter, self.out / ADAPTER_DIR, self.model_config_dict["model_type"])
         torch.save(
             {"optimizer": self.optimizer.state_dict(), "state": asdict(self.state), "rng": self.rng.getstate()},
             self.out / "trainer_state.pt",
@@ -320,7 +337,7 @@ class SFTTrainer:
                 total = total + cfg.indexer_loss_weight * aux
             self.optimizer.zero_grad(set_to_none=True)
             total.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.grad_clip)
             self.optimizer.step()
             if batch.routed_experts is not None:
                 update_router_bias(self.model, batch.routed_experts, cfg.bias_update_rate)

@@ -32,10 +32,12 @@ from kestrel.models.builtin import EMBEDDED_DIR, model_dir
 from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint, stored_dtype, text_weights_sha256
 from kestrel.models.decoder import CausalLM
 from kestrel.models.loader import build_model
+from kestrel.models.lora import LoRAAdapter
 from kestrel.models.vision.inputs import encode_images
 from kestrel.models.vision.preprocess import preprocess_image
 from kestrel.tokenizer import save_tokenizer
-from kestrel.train.recipes import VISION_STAGES, VisionMix, with_vision_tower
+from kestrel.train.lora import new_adapter
+from kestrel.train.recipes import VISION_LORA_TARGETS, VISION_STAGES, VisionMix, with_vision_tower
 from kestrel.train.sft import SFTTrainer, trained_model
 from kestrel.train.stop_signal import stopped_early
 from kestrel.train.vision_data import KINDS, render_image, vision_episodes
@@ -83,6 +85,14 @@ def vision_stage_model(base: Path, tower: VisionMix, seed: int = 0) -> tuple[Cau
     return model, config, tok
 
 
+def vision_adapter(model: CausalLM, rank: int, seed: int = 0) -> LoRAAdapter:
+    """A fresh adapter (B = 0: the model starts as the base) on the language model's `VISION_LORA_TARGETS`, routed
+    experts excluded (their per-expert terms cost more than they add here)."""
+    adapter = new_adapter(model, list(VISION_LORA_TARGETS), r=rank, lora_alpha=2 * rank, name="vision", seed=seed)
+    adapter.weights = {m: w for m, w in adapter.weights.items() if ".experts." not in m}
+    return adapter
+
+
 def run_vision_stage(
     stage_name: str,
     base: str | Path,
@@ -90,22 +100,34 @@ def run_vision_stage(
     steps: int | None = None,
     max_minutes: float | None = None,
     ship: bool = False,
+    lora_rank: int | None = None,
 ) -> SFTTrainer:
+    """Train the stage into `out_dir` (resumable); with a LoRA rank, its adapter lands in `out_dir/adapter`."""
     stage = copy.deepcopy(VISION_STAGES[stage_name])
     if steps is not None:
         stage.sft.steps = steps
     if max_minutes is not None:
         stage.sft.max_minutes = max_minutes
+    if lora_rank is not None:
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank: must be >= 0, got {lora_rank}")
+        stage.lora_rank = lora_rank
     base_dir = model_dir(base)
     if ship and base_dir.resolve() != EMBEDDED_DIR.resolve():
         raise ValueError("--ship: the shipped tower belongs to the embedded model (--base kestrel-mini)")
+    if ship and stage.lora_rank:
+        raise ValueError(
+            "--ship: a stage with a language-model adapter cannot ship yet (the server applies adapters "
+            "only when a request names one)"
+        )
     # Text tensors are written back in the base's own dtype: bf16 → fp32 (training) → bf16 is exact.
     stage.sft.save_dtype = "bfloat16" if stored_dtype(base_dir) == torch.bfloat16 else "float32"
     torch.manual_seed(stage.sft.seed)
     model, config, tok = vision_stage_model(base_dir, stage.tower, stage.sft.seed)
     train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short")
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
-    trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model)
+    adapter = vision_adapter(model, stage.lora_rank, stage.sft.seed) if stage.lora_rank else None
+    trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model, adapter=adapter)
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
     if ship and not stopped_early():
