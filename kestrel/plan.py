@@ -334,7 +334,9 @@ class Plan:
     """What fits: per rank, per attention group (`tp / dp_attn` GPUs) and over all `gpus`.
 
     `max_cached_tokens` is per attention group after weights and a state pool of `state_pool_requests`
-    (the given `max_running_requests`, else one slot per full-context request that fits).
+    (the given `max_running_requests`, else one slot per full-context request that fits). The prefix cache's KDA
+    checkpoints are not in it: an engine sized by `mem_fraction` gives them `state_checkpoint_memory_ratio` of the
+    KV pool's bytes on top (`kestrel.engine.capacity.pool_sizes`), so it holds 1 / (1 + ratio) of these tokens.
     """
 
     model: str
