@@ -37,8 +37,8 @@ from kestrel.train.stop_signal import STOP
 from kestrel.train.vision_data import IMAGE_SIZE, render_image
 
 log = logging.getLogger(__name__)
-# (token ids, learn mask[, image specs]): what the trainer packs; specs are drawn by `render_image` per batch.
 ADAPTER_DIR = "adapter"  # under the output folder: a trained adapter (PEFT format) beside checkpoint/
+# (token ids, learn mask[, image specs]): what the trainer packs; specs are drawn by `render_image` per batch.
 Example = tuple[list[int], list[bool]] | tuple[list[int], list[bool], list[tuple[str, int]]]
 
 
