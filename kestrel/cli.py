@@ -220,6 +220,7 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
         max_minutes=args.max_minutes,
         ship=args.ship,
         lora_rank=args.lora_rank,
+        pretrain_minutes=args.pretrain_minutes,
     )
     state = trainer.state
     print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
@@ -422,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="vision: also train a LoRA adapter of this rank on the frozen text model (0: none; default: the stage's)",
+    )
+    tr.add_argument(
+        "--pretrain-minutes",
+        type=float,
+        default=None,
+        help="vision: pretrain the tower as a classifier first, for this long (0: skip; default: the stage's)",
     )
     tr.add_argument("--out", default=None, help="default: out/sft-mini, out/dflash-mini or out/vision-mini")
     tr.add_argument("--steps", type=int, default=None)

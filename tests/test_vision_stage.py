@@ -133,3 +133,34 @@ def test_a_vision_stage_with_an_adapter_trains_it_beside_the_frozen_text_model_a
 
     with pytest.raises(ValueError, match="adapter cannot ship"):
         run_vision_stage("tiny", EMBEDDED_DIR, tmp_path / "ship", steps=1, ship=True, lora_rank=2)
+
+
+def test_tower_pretraining_moves_only_tower_and_projector_resumes_and_feeds_stage_one(tiny_checkpoints, tmp_path):
+    """`--pretrain-minutes`: the tower learns the kinds as a classifier (no decoder in the loop), resumes from its
+    saved state, and stage 1 then starts from the pretrained tower (text tensors untouched throughout)."""
+    from kestrel.train.recipes import VISION_STAGES
+    from kestrel.train.vision_data import KINDS
+    from kestrel.train.vision_pretrain import STATE_FILE, TowerPretrain, TowerPretrainer
+    from kestrel.train.vision_stage import vision_stage_model
+
+    base = tiny_checkpoints["kimi_k3"]
+    model, _, _ = vision_stage_model(base, VISION_STAGES["tiny"].tower)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = TowerPretrain(steps=2, batch_size=8, warmup_steps=1, eval_every=2, eval_images=8)
+    state = TowerPretrainer(model, cfg, tmp_path / "pre").train()
+    assert state.step == 2 and len(state.loss) == 2 and set(state.accuracy[-1][1]) == set(KINDS)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(n.startswith(VISION_PREFIXES) for n in moved)
+    assert any(n.startswith("vision_tower.") for n in moved) and any(n.startswith("mm_projector.") for n in moved)
+
+    fresh, _, _ = vision_stage_model(base, VISION_STAGES["tiny"].tower)
+    cfg.steps = 3
+    resumed = TowerPretrainer(fresh, cfg, tmp_path / "pre")
+    assert resumed.state.step == 2
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in fresh.named_parameters())
+    assert resumed.train().step == 3 and (tmp_path / "pre" / STATE_FILE).exists()
+
+    out = tmp_path / "stage"
+    trainer = run_vision_stage("tiny", base, out, steps=1, pretrain_steps=2)
+    assert (out / "pretrain" / STATE_FILE).exists() and trainer.state.step == 1
+    assert text_weights_sha256(out / "checkpoint") == text_weights_sha256(base)

@@ -10,6 +10,7 @@ from kestrel.train.grpo import ClipConfig
 from kestrel.train.rl import RLConfig
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, TaskMix
 from kestrel.train.sft import SFTConfig
+from kestrel.train.vision_pretrain import TowerPretrain
 
 
 def k3_mini_config(
@@ -242,12 +243,14 @@ class VisionStage:
 
     `lora_rank` > 0 also trains a LoRA adapter on the frozen language model's attention and dense / shared-expert
     projections (`VISION_LORA_TARGETS`; routed experts and router untouched): a frozen tiny decoder barely reads
-    image features, an adapter lets it (Phi-4-multimodal ships its vision LoRA the same way, beside the base)."""
+    image features, an adapter lets it (Phi-4-multimodal ships its vision LoRA the same way, beside the base).
+    `pretrain` first trains the tower as a classifier of the same images, without the decoder."""
 
     tower: VisionMix
     eval_episodes: int
     sft: SFTConfig = field(default_factory=SFTConfig)
     lora_rank: int = 0
+    pretrain: TowerPretrain | None = None  # tower pretraining as a classifier first (`kestrel.train.vision_pretrain`)
 
 
 # The projections a vision stage's adapter trains (PEFT's target_modules). gate/up/down also name the routed

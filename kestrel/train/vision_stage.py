@@ -41,6 +41,7 @@ from kestrel.train.recipes import VISION_LORA_TARGETS, VISION_STAGES, VisionMix,
 from kestrel.train.sft import SFTTrainer, trained_model
 from kestrel.train.stop_signal import stopped_early
 from kestrel.train.vision_data import KINDS, render_image, vision_episodes
+from kestrel.train.vision_pretrain import TowerPretrain, TowerPretrainer
 
 log = logging.getLogger(__name__)
 HELD_OUT_SEED = 10_001  # the held-out loss stream; `kestrel eval --task vision` draws from 10_002
@@ -101,8 +102,11 @@ def run_vision_stage(
     max_minutes: float | None = None,
     ship: bool = False,
     lora_rank: int | None = None,
+    pretrain_minutes: float | None = None,
+    pretrain_steps: int | None = None,
 ) -> SFTTrainer:
-    """Train the stage into `out_dir` (resumable); with a LoRA rank, its adapter lands in `out_dir/adapter`."""
+    """Train the stage into `out_dir` (resumable): the tower's pretraining if the stage (or `pretrain_*`) asks for
+    it, in `out_dir/pretrain`, then stage 1; with a LoRA rank, its adapter lands in `out_dir/adapter`."""
     stage = copy.deepcopy(VISION_STAGES[stage_name])
     if steps is not None:
         stage.sft.steps = steps
@@ -112,6 +116,14 @@ def run_vision_stage(
         if lora_rank < 0:
             raise ValueError(f"lora_rank: must be >= 0, got {lora_rank}")
         stage.lora_rank = lora_rank
+    if pretrain_minutes is not None or pretrain_steps is not None:
+        stage.pretrain = stage.pretrain or TowerPretrain()
+        if pretrain_minutes is not None:
+            stage.pretrain.max_minutes = pretrain_minutes
+        if pretrain_steps is not None:
+            stage.pretrain.steps = pretrain_steps
+    if stage.pretrain is not None and stage.pretrain.max_minutes == 0:
+        stage.pretrain = None
     base_dir = model_dir(base)
     if ship and base_dir.resolve() != EMBEDDED_DIR.resolve():
         raise ValueError("--ship: the shipped tower belongs to the embedded model (--base kestrel-mini)")
@@ -124,6 +136,10 @@ def run_vision_stage(
     stage.sft.save_dtype = "bfloat16" if stored_dtype(base_dir) == torch.bfloat16 else "float32"
     torch.manual_seed(stage.sft.seed)
     model, config, tok = vision_stage_model(base_dir, stage.tower, stage.sft.seed)
+    if stage.pretrain is not None:
+        scores = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train().accuracy[-1][1]
+        log.info("tower pretrained: held-out accuracy %s", scores)
+        match_embedding_norm(model)  # the decoder reads the features at its embeddings' norm, as a fresh tower's
     train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short")
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
     adapter = vision_adapter(model, stage.lora_rank, stage.sft.seed) if stage.lora_rank else None
