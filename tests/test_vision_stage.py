@@ -163,4 +163,8 @@ def test_tower_pretraining_moves_only_tower_and_projector_resumes_and_feeds_stag
     out = tmp_path / "stage"
     trainer = run_vision_stage("tiny", base, out, steps=1, pretrain_steps=2)
     assert (out / "pretrain" / STATE_FILE).exists() and trainer.state.step == 1
+    pretrained = torch.load(out / "pretrain" / STATE_FILE, weights_only=False)["tower"]
+    for name, p in trainer.model.vision_tower.named_parameters():  # stage 1 leaves a pretrained tower as it is
+        assert not p.requires_grad and torch.equal(p, pretrained[name]), name
+    assert any(p.grad is not None for p in trainer.model.mm_projector.parameters())
     assert text_weights_sha256(out / "checkpoint") == text_weights_sha256(base)

@@ -144,6 +144,9 @@ def run_vision_stage(
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
     adapter = vision_adapter(model, stage.lora_rank, stage.sft.seed) if stage.lora_rank else None
     trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model, adapter=adapter)
+    if stage.pretrain is not None:  # LLaVA's stage 1: a pretrained tower stays as it is, the projector learns
+        for p in model.vision_tower.parameters():
+            p.requires_grad_(False)
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
     if ship and not stopped_early():
