@@ -243,7 +243,7 @@ class VisionStage:
 
     `lora_rank` > 0 also trains a LoRA adapter on the frozen language model's attention and dense / shared-expert
     projections (`VISION_LORA_TARGETS`; routed experts and router untouched): a frozen tiny decoder barely reads
-    image features, an adapter lets it (Phi-4-multimodal ships its vision LoRA the same way, beside the base).
+    image features, an adapter helps it (Phi-4-multimodal ships its vision LoRA the same way, beside the base).
     `pretrain` first trains the tower as a classifier of the same images, without the decoder; stage 1 then keeps
     that tower frozen (projector and adapter learn), as LLaVA does."""
 

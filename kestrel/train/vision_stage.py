@@ -88,7 +88,7 @@ def vision_stage_model(base: Path, tower: VisionMix, seed: int = 0) -> tuple[Cau
 
 def vision_adapter(model: CausalLM, rank: int, seed: int = 0) -> LoRAAdapter:
     """A fresh adapter (B = 0: the model starts as the base) on the language model's `VISION_LORA_TARGETS`, routed
-    experts left out (a third of the parameters per expert; what must learn is the attention reading image rows)."""
+    experts left out: what must learn is the attention reading image rows, and per-expert terms multiply the size."""
     adapter = new_adapter(model, list(VISION_LORA_TARGETS), r=rank, lora_alpha=2 * rank, name="vision", seed=seed)
     adapter.weights = {m: w for m, w in adapter.weights.items() if ".experts." not in m}
     return adapter
