@@ -38,7 +38,7 @@ HELD_OUT_SEED = 10_003  # neither stage 1's streams nor `kestrel eval --task vis
 class TowerPretrain:
     """How long and how the tower pretrains (whichever of steps and minutes runs out first)."""
 
-    steps: int = 2000
+    steps: int = 2400  # ~32 min on 2 shared cores: with --pretrain-minutes 30 the time budget binds
     max_minutes: float | None = None
     batch_size: int = 128
     lr: float = 2e-3
