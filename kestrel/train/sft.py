@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer
@@ -35,6 +35,9 @@ from kestrel.train.data import Episode
 from kestrel.train.lora import attach_trainable, save_adapter
 from kestrel.train.stop_signal import STOP
 from kestrel.train.vision_data import IMAGE_SIZE, render_image
+
+if TYPE_CHECKING:
+    from kestrel.train.vision_pretrain import TowerPretrain
 
 log = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"  # under the output folder: a trained adapter (PEFT format) beside checkpoint/
@@ -166,7 +169,7 @@ def update_router_bias(model: CausalLM, routed: dict[int, torch.Tensor], rate: f
         moe.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
 
 
-def lr_at(step: int, cfg: SFTConfig, time_fraction: float = 0.0) -> float:
+def lr_at(step: int, cfg: SFTConfig | TowerPretrain, time_fraction: float = 0.0) -> float:
     """Linear warmup, then cosine to min_lr over whichever budget (steps or minutes) runs out first."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps

@@ -12,7 +12,6 @@ tower and projector. Resumable (`pretrain.pt` in the output folder).
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from tqdm import tqdm
 from kestrel.models.decoder import CausalLM
 from kestrel.models.vision.inputs import encode_images
 from kestrel.models.vision.preprocess import preprocess_image
+from kestrel.train.sft import lr_at
 from kestrel.train.stop_signal import STOP
 from kestrel.train.vision_data import COLORS, KINDS, SHAPES, render_image
 
@@ -43,6 +43,7 @@ class TowerPretrain:
     batch_size: int = 128
     lr: float = 2e-3
     warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine to this fraction of lr (`sft.lr_at`, shared with SFT)
     eval_every: int = 250
     eval_images: int = 400
     seed: int = 0
@@ -155,13 +156,6 @@ class TowerPretrainer:
             scores[kind] = float((self.heads.predict(pooled[rows], kind) == labels[rows]).float().mean())
         return scores
 
-    def _lr(self, step: int, time_fraction: float) -> float:
-        cfg = self.cfg
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        progress = min(1.0, max((step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), time_fraction))
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
     def train(self) -> PretrainState:
         cfg, state = self.cfg, self.state
         start = time.perf_counter() - state.seconds
@@ -173,7 +167,7 @@ class TowerPretrainer:
                     break
                 fraction = elapsed / (cfg.max_minutes * 60) if cfg.max_minutes else 0.0
                 for group in self.optimizer.param_groups:
-                    group["lr"] = self._lr(state.step, fraction)
+                    group["lr"] = lr_at(state.step, cfg, fraction)
                 kinds, images, labels = _images(self.rng, cfg.batch_size, self.model)
                 pooled = _pooled(self.model, images)
                 loss = sum(
