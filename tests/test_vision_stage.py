@@ -131,8 +131,27 @@ def test_a_vision_stage_with_an_adapter_trains_it_beside_the_frozen_text_model_a
     for module, (a, b) in load_peft(out / "adapter").weights.items():
         assert torch.equal(a, saved.weights[module][0]) and torch.equal(b, saved.weights[module][1]), module
 
-    with pytest.raises(ValueError, match="adapter cannot ship"):
-        run_vision_stage("tiny", EMBEDDED_DIR, tmp_path / "ship", steps=1, ship=True, lora_rank=2)
+    # Shipping installs the adapter as the checkpoint's vision-lora/, pinned to the weights it was trained against.
+    from kestrel.engine.vision_adapter import ADAPTER_DIR, adapter_mismatch
+
+    target = tmp_path / "shipped"
+    shutil.copytree(base, target)
+    ship_vision(again, target, "tiny", target)
+    assert set(load_peft(target / ADAPTER_DIR).weights) == set(saved.weights) and adapter_mismatch(target) is None
+
+    # A base that already sees (the shipped kestrel-mini) retrains from its text weights with a fresh tower.
+    from kestrel.train.recipes import VISION_STAGES
+    from kestrel.train.sft import trained_model
+    from kestrel.train.vision_stage import vision_stage_model
+
+    shipped = trained_model(target)[0].state_dict()
+    model, config, _ = vision_stage_model(target, VISION_STAGES["tiny"].tower, seed=5)
+    fresh = model.state_dict()
+    assert set(fresh) == set(shipped) and config["vision_config"]["hidden_size"] == 32
+    for name, tensor in shipped.items():
+        if not name.startswith(VISION_PREFIXES):
+            assert torch.equal(fresh[name], tensor), name
+    assert any(not torch.equal(fresh[n], t) for n, t in shipped.items() if n.startswith("vision_tower."))
 
 
 def test_tower_pretraining_moves_only_tower_and_projector_resumes_and_feeds_stage_one(tiny_checkpoints, tmp_path):

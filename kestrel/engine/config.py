@@ -46,6 +46,10 @@ class EngineConfig:
     encoder_cache_tokens: int = field(
         default=16384, metadata={"help": "image feature rows kept for reuse by content hash (vision models)"}
     )
+    vision_adapter: bool = field(
+        default=True,
+        metadata={"help": "run image requests that name no adapter on the checkpoint's vision-lora/ adapter"},
+    )
     # Prefix cache (radix tree with KDA state checkpoints) and its lower tiers (HiCache).
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prompt prefixes (radix tree)"})
     state_track_interval: int = field(

@@ -39,6 +39,7 @@ from kestrel.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import SchedulePlan, Scheduler
 from kestrel.engine.stop_rules import stop_reason
+from kestrel.engine.vision_adapter import VISION_ADAPTER, vision_adapter_dir
 from kestrel.engine.weight_sync import reload_weights, restart
 from kestrel.models.builtin import builtin_model_path
 from kestrel.models.loader import load_model
@@ -99,6 +100,22 @@ class Engine:
             self.runner.encoder_cache = EncoderCache(self.model, config.encoder_cache_tokens)
         if config.enable_return_routed_experts or config.enable_return_indexer_topk:
             self.runner.enable_records(config.enable_return_routed_experts, config.enable_return_indexer_topk)
+        # Adapters attach their hooks before the decode step compiles, so the graphs traced now serve every later
+        # base-only step (steps with adapter rows run eagerly).
+        vision_lora = None
+        if config.vision_adapter and self.groups is None:
+            vision_lora = vision_adapter_dir(path, self.model.has_vision)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora or vision_lora is not None:
+            self.lora = self.runner.lora = LoRAManager(self.model)
+        self.adapters = AdapterRegistry(self.lora, cfg.vocab_size, config.max_lora_rank)
+        self._groups: dict[str, list[Request]] = {}
+        if vision_lora is not None:
+            self.load_lora_adapter(VISION_ADAPTER, str(vision_lora))
+            log.info("image requests run on the vision adapter %s", vision_lora)
+        for entry in config.lora_paths or []:
+            name, _, lora_path = entry.partition("=")
+            self.load_lora_adapter(name, lora_path)
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up()
         self.draft = load_spec_draft(config, path, self.model) if config.speculative_algorithm else None
@@ -127,16 +144,8 @@ class Engine:
             config.max_running_requests,
             config.max_num_batched_tokens,
             config.chunked_prefill_size,
-            config.max_loras_per_batch if config.enable_lora else None,
+            config.max_loras_per_batch if self.lora is not None else None,
         )
-        self.lora: LoRAManager | None = None
-        if config.enable_lora:
-            self.lora = self.runner.lora = LoRAManager(self.model)
-        self.adapters = AdapterRegistry(self.lora, cfg.vocab_size, config.max_lora_rank)
-        self._groups: dict[str, list[Request]] = {}
-        for entry in config.lora_paths or []:
-            name, _, lora_path = entry.partition("=")
-            self.load_lora_adapter(name, lora_path)
         self.weight_version = config.weight_version
         if self.groups is not None and self.groups.layout.dp_attn > 1:  # a scheduler and pools per attention group
             self.pages, self.slots, self.cache, self.scheduler = dp_scheduling(self, num_pages, num_slots)
@@ -225,6 +234,8 @@ class Engine:
             if asked and not getattr(self.config, f"enable_return_{name}"):
                 flag = f"--enable-return-{name.replace('_', '-')}"
                 raise ValueError(f"return_{name}: the server records them only when started with {flag}")
+        if lora_name is None and images and VISION_ADAPTER in self.adapters.public:
+            lora_name = VISION_ADAPTER  # the checkpoint's own adapter for reading images (vision_adapter.py)
         if lora_name is not None and lora_name not in self.adapters.public:
             off = "" if self.lora is not None else " (LoRA serving is off: start with --enable-lora)"
             raise ValueError(f"lora_path: adapter {lora_name!r} is not loaded{off}")

@@ -293,7 +293,8 @@ class ModelRunner:
     def execute(self, plan: SchedulePlan) -> tuple[StepLogits, ForwardBatch]:
         records, capture = self.records, bool(self.capture_layers)
         images = image_pieces(plan) if self.encoder_cache is not None else []
-        compiled = self.compiled is not None and records is None and not capture and not images
+        adapter_rows = self.lora is not None and any(c.request.lora_name for c in plan.chunks)
+        compiled = self.compiled is not None and records is None and not capture and not images and not adapter_rows
         bucket = self.compiled.bucket_for(plan) if compiled else 0
         batch, rows, copies = self.prepare(plan, pad_to=bucket)
         if images:

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -267,10 +268,20 @@ def text_weights_sha256(path: str | Path) -> str:
     """sha256 over the language-model tensors of a checkpoint (name, dtype, shape, bytes; vision tower and projector
     left out): what a draft reads (hidden states, embedding, LM head). A tower added to a text model keeps the
     draft valid; any change to a text tensor changes this hash."""
+    return _tensors_sha256(path, lambda name: not name.startswith(VISION_PREFIXES))
+
+
+def vision_weights_sha256(path: str | Path) -> str:
+    """sha256 over the vision tower's and projector's tensors (as `text_weights_sha256`): with it, what a vision
+    adapter was trained against is pinned down whole."""
+    return _tensors_sha256(path, lambda name: name.startswith(VISION_PREFIXES))
+
+
+def _tensors_sha256(path: str | Path, keep: Callable[[str], bool]) -> str:
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(f, framework="pt") as fh:
-            tensors |= {n: fh.get_tensor(n) for n in fh.keys() if not n.startswith(VISION_PREFIXES)}
+            tensors |= {n: fh.get_tensor(n) for n in fh.keys() if keep(n)}
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()

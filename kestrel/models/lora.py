@@ -392,9 +392,9 @@ class LoRAManager:
         (index_select / index_add_ cost more than the whole product).
         """
         self.segments = []
-        if not slots:
+        present = sorted({s for s in slots or () if s is not None})
+        if not present:  # a base-only step (the common one when only image requests use an adapter)
             return
-        present = sorted({s for s in slots if s is not None})
         if len(present) == 1 and all(s == present[0] for s in slots):
             self.segments = [(present[0], None)]
             return

@@ -180,10 +180,13 @@ def vision_episode(rng: random.Random, kind: str | None = None, style: str = "wo
     return Episode("vision", messages, None, rng.choice([None, "low", "high"]), answer, {"image": (kind, seed)})
 
 
-def vision_episodes(seed: int, n: int, style: str = "worked") -> list[Episode]:
-    """n episodes, the four kinds in turn; same seed, same list (and same images)."""
+def vision_episodes(seed: int, n: int, style: str = "worked", kinds: tuple[str, ...] = KINDS) -> list[Episode]:
+    """n episodes, the kinds of `kinds` in turn (a kind named twice gets twice the share); same seed, same list
+    (and same images)."""
+    if unknown := sorted(set(kinds) - set(KINDS)):
+        raise ValueError(f"kinds: {unknown} are not among {KINDS}")
     rng = random.Random(seed)
-    return [vision_episode(rng, KINDS[i % len(KINDS)], style) for i in range(n)]
+    return [vision_episode(rng, kinds[i % len(kinds)], style) for i in range(n)]
 
 
 def episode_images(ep: Episode) -> list[Image.Image]:

@@ -28,6 +28,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from kestrel.chat_template import MEDIA_PAD, MEDIA_TOKENS
 from kestrel.config import model_config_from_dict
+from kestrel.engine.vision_adapter import ADAPTER_DIR, record_base
 from kestrel.models.builtin import EMBEDDED_DIR, model_dir
 from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint, stored_dtype, text_weights_sha256
 from kestrel.models.decoder import CausalLM
@@ -36,7 +37,7 @@ from kestrel.models.lora import LoRAAdapter
 from kestrel.models.vision.inputs import encode_images
 from kestrel.models.vision.preprocess import preprocess_image
 from kestrel.tokenizer import save_tokenizer
-from kestrel.train.lora import new_adapter
+from kestrel.train.lora import new_adapter, save_adapter
 from kestrel.train.recipes import VISION_LORA_TARGETS, VISION_STAGES, VisionMix, with_vision_tower
 from kestrel.train.sft import SFTTrainer, trained_model
 from kestrel.train.stop_signal import stopped_early
@@ -74,11 +75,11 @@ def vision_stage_model(base: Path, tower: VisionMix, seed: int = 0) -> tuple[Cau
     """The base text model's weights (unchanged) plus a fresh tower, the extended config, and the tokenizer."""
     text_model, config, tok = trained_model(base)
     tok = with_media_tokens(tok, text_model.cfg.vocab_size)
-    if config.get("vision_config"):
-        raise ValueError(f"{base} already has a vision tower")
+    # A base that already sees (the shipped kestrel-mini) retrains from its text weights with a fresh tower.
     config = with_vision_tower(config, tower, tok.token_to_id(MEDIA_PAD))
     model = init_random_(build_model(model_config_from_dict(config)), seed)
-    missing, unexpected = model.load_state_dict(text_model.state_dict(), strict=False)
+    text = {n: t for n, t in text_model.state_dict().items() if not n.startswith(VISION_PREFIXES)}
+    missing, unexpected = model.load_state_dict(text, strict=False)
     stray = [n for n in missing if not n.startswith(VISION_PREFIXES)]
     if stray or unexpected:
         raise ValueError(f"base weights do not fit the extended model: missing {stray}, unexpected {unexpected}")
@@ -127,11 +128,6 @@ def run_vision_stage(
     base_dir = model_dir(base)
     if ship and base_dir.resolve() != EMBEDDED_DIR.resolve():
         raise ValueError("--ship: the shipped tower belongs to the embedded model (--base kestrel-mini)")
-    if ship and stage.lora_rank:
-        raise ValueError(
-            "--ship: a stage with a language-model adapter cannot ship yet (the server applies adapters "
-            "only when a request names one)"
-        )
     # Text tensors are written back in the base's own dtype: bf16 → fp32 (training) → bf16 is exact.
     stage.sft.save_dtype = "bfloat16" if stored_dtype(base_dir) == torch.bfloat16 else "float32"
     torch.manual_seed(stage.sft.seed)
@@ -140,7 +136,7 @@ def run_vision_stage(
         scores = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train().accuracy[-1][1]
         log.info("tower pretrained: held-out accuracy %s", scores)
         match_embedding_norm(model)  # the decoder reads the features at its embeddings' norm, as a fresh tower's
-    train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short")
+    train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short", kinds=stage.train_kinds)
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
     adapter = vision_adapter(model, stage.lora_rank, stage.sft.seed) if stage.lora_rank else None
     trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model, adapter=adapter)
@@ -156,7 +152,8 @@ def run_vision_stage(
 
 def ship_vision(trainer: SFTTrainer, base: Path, stage_name: str, target: Path = EMBEDDED_DIR) -> Path:
     """Install tower + projector (and the extended config and tokenizer) into `target`, after checking that the
-    language-model tensors written are byte-identical to the base's."""
+    language-model tensors written are byte-identical to the base's; a stage's adapter goes to `vision-lora/`
+    with the hashes of the weights it was trained against (`kestrel.engine.vision_adapter`)."""
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp)
         save_checkpoint(trainer.model, trainer.model_config_dict, staged, dtype=stored_dtype(base))
@@ -164,6 +161,9 @@ def ship_vision(trainer: SFTTrainer, base: Path, stage_name: str, target: Path =
         before, after = text_weights_sha256(base), text_weights_sha256(staged)
         if before != after:
             raise RuntimeError(f"the text model moved during the vision stage ({before} → {after}): not shipping")
+        if trainer.adapter is not None:
+            save_adapter(trainer.adapter, staged / ADAPTER_DIR, trainer.model_config_dict["model_type"])
+            record_base(staged / ADAPTER_DIR, staged)
         summary_file = base / "training_summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
         summary["vision"] = {
@@ -172,12 +172,13 @@ def ship_vision(trainer: SFTTrainer, base: Path, stage_name: str, target: Path =
             "minutes": round(trainer.state.seconds / 60, 1),
             "held_out_loss": round(trainer.state.eval_loss[-1][1], 4),
             "tower": asdict(VISION_STAGES[stage_name].tower),
+            "lora_rank": trainer.adapter.r if trainer.adapter is not None else 0,
             "text_weights_sha256": after,
         }
         (staged / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         target.mkdir(parents=True, exist_ok=True)
-        for f in staged.iterdir():
-            shutil.copy2(f, target / f.name)
+        shutil.rmtree(target / ADAPTER_DIR, ignore_errors=True)  # an adapter of an earlier tower would not load
+        shutil.copytree(staged, target, dirs_exist_ok=True)
     if (trainer.out / "loss_curve.png").exists():
         shutil.copy2(trainer.out / "loss_curve.png", target / "vision_loss_curve.png")
     return target
