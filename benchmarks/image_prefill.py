@@ -5,9 +5,11 @@ off, one generated token. For each image side S (an S x S image is (S/28)^2 plac
 prompt is timed (a) with the image, its encoder cache emptied first (tower + prefill), (b) with the image features
 already cached (prefill alone), and (c) as text of exactly the same token count; a, b and c alternate within each
 repeat so machine noise hits all three alike. Reported: medians, the image / text ratio (a / c) and the tower's
-share ((a - b) / a).
+share ((a - b) / a). `--model embedded` times the shipped kestrel-mini instead (112-px images, as it was trained on;
+its image requests also run on its vision adapter, text ones do not).
 
     .venv/bin/python benchmarks/image_prefill.py --threads 2 --sides 224,448 --repeats 5
+    .venv/bin/python benchmarks/image_prefill.py --threads 1 --model embedded --sides 112,224
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from report import write_result
 
 from kestrel import LLM, SamplingParams
 from kestrel.chat_template import render_chat
+from kestrel.engine.vision_adapter import VISION_ADAPTER
+from kestrel.models.builtin import EMBEDDED_DIR
 from kestrel.models.checkpoint import make_model
 from kestrel.models.loader import param_count
 
@@ -44,16 +48,21 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=["tiny", "small"], help="text model and tower preset")
     ap.add_argument("--sides", default="224,448", help="image sides in pixels (multiples of 28)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--model", default=None, help="a checkpoint with a tower, or 'embedded' (default: a random one)")
+    ap.add_argument("--out", type=Path, default=None, help="default: results/image_prefill[_MODEL].json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_model("kimi_k3", args.size, Path(tmp) / "k3v", seed=0, vision=args.size)
+        if args.model is None:
+            path, name = make_model("kimi_k3", args.size, Path(tmp) / "k3v", seed=0, vision=args.size), args.size
+        else:
+            path, name = (EMBEDDED_DIR, "kestrel-mini") if args.model == "embedded" else (Path(args.model), args.model)
         llm = LLM(str(path), max_total_tokens=16384, enable_prefix_caching=False, chunked_prefill_size=-1)
         model = llm.engine.model
         tower = param_count(model.vision_tower) + param_count(model.mm_projector)
-        print(f"model: kimi_k3 {args.size}, {param_count(model) / 1e6:.1f}M parameters ({tower / 1e6:.2f}M tower)")
+        adapter = " + vision adapter" if VISION_ADAPTER in llm.engine.lora_names else ""
+        print(f"model: {name}, {param_count(model) / 1e6:.1f}M parameters ({tower / 1e6:.2f}M tower{adapter})")
         rows = []
         for side in (int(s) for s in args.sides.split(",")):
             picture = Image.fromarray(np.random.default_rng(side).integers(0, 256, (side, side, 3), dtype=np.uint8))
@@ -91,7 +100,10 @@ def main() -> None:
                 f"{r['image_cached_features_ms']:>9.1f} {r['text_ms']:>8.1f} {r['image_over_text']:>8.2f} "
                 f"{r['tower_share']:>6.0%}"
             )
-        write_result(args.out, "image_prefill", size=args.size, tower_params=tower, repeats=args.repeats, rows=rows)
+        out = args.out or (
+            RESULTS if args.model is None else RESULTS.with_name(f"image_prefill_{Path(name).name}.json")
+        )
+        write_result(out, "image_prefill", size=name, tower_params=tower, repeats=args.repeats, rows=rows)
 
 
 if __name__ == "__main__":

@@ -59,15 +59,26 @@ def test_vision_stage_trains_the_tower_and_leaves_the_text_model_byte_identical(
     assert config["image_token_id"] == load_tokenizer(out / "checkpoint").token_to_id(MEDIA_PAD)
 
 
-def test_image_markers_are_appended_to_the_shipped_tokenizer_without_moving_a_text_id():
-    base_tok = load_tokenizer(EMBEDDED_DIR)
-    n = base_tok.get_vocab_size()
-    tok = with_media_tokens(load_tokenizer(EMBEDDED_DIR), 1024)
-    assert [tok.token_to_id(t) for t in MEDIA_TOKENS] == list(range(n, n + 4))
+def test_image_markers_are_appended_after_every_text_id_and_adding_them_again_moves_nothing():
     text = "<|im_user|>user<|im_middle|>3+4?<|im_end|><think>The answer is 42.</think>The answer is 42."
-    assert tok.encode(text).ids == base_tok.encode(text).ids
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    def text_only() -> Tokenizer:  # a text model's tokenizer, without the markers
+        tok = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "answer": 2, "is": 3, "42": 4}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        return tok
+
+    words = "the answer is 42 or not"
+    tok = with_media_tokens(text_only(), 9)
+    assert [tok.token_to_id(t) for t in MEDIA_TOKENS] == [5, 6, 7, 8]
+    assert tok.encode(words).ids == text_only().encode(words).ids
     with pytest.raises(ValueError, match="token ids"):
-        with_media_tokens(load_tokenizer(EMBEDDED_DIR), n + 2)
+        with_media_tokens(text_only(), 7)
+    shipped = load_tokenizer(EMBEDDED_DIR)  # kestrel-mini sees: its markers are its last four ids
+    m = shipped.get_vocab_size()
+    assert [shipped.token_to_id(t) for t in MEDIA_TOKENS] == list(range(m - 4, m))
+    again = with_media_tokens(load_tokenizer(EMBEDDED_DIR), 1024)
+    assert again.get_vocab_size() == m and again.encode(text).ids == shipped.encode(text).ids
 
 
 def test_projector_starts_at_the_text_embedding_norm(tiny_checkpoints):

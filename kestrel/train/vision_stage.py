@@ -42,7 +42,7 @@ from kestrel.train.recipes import VISION_LORA_TARGETS, VISION_STAGES, VisionMix,
 from kestrel.train.sft import SFTTrainer, trained_model
 from kestrel.train.stop_signal import stopped_early
 from kestrel.train.vision_data import KINDS, render_image, vision_episodes
-from kestrel.train.vision_pretrain import TowerPretrain, TowerPretrainer
+from kestrel.train.vision_pretrain import PretrainState, TowerPretrain, TowerPretrainer
 
 log = logging.getLogger(__name__)
 HELD_OUT_SEED = 10_001  # the held-out loss stream; `kestrel eval --task vision` draws from 10_002
@@ -132,9 +132,10 @@ def run_vision_stage(
     stage.sft.save_dtype = "bfloat16" if stored_dtype(base_dir) == torch.bfloat16 else "float32"
     torch.manual_seed(stage.sft.seed)
     model, config, tok = vision_stage_model(base_dir, stage.tower, stage.sft.seed)
+    pretrained = None
     if stage.pretrain is not None:
-        scores = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train().accuracy[-1][1]
-        log.info("tower pretrained: held-out accuracy %s", scores)
+        pretrained = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train()
+        log.info("tower pretrained: held-out accuracy %s", pretrained.accuracy[-1][1])
         match_embedding_norm(model)  # the decoder reads the features at its embeddings' norm, as a fresh tower's
     train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short", kinds=stage.train_kinds)
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
@@ -146,11 +147,17 @@ def run_vision_stage(
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
     if ship and not stopped_early():
-        ship_vision(trainer, base_dir, stage_name)
+        ship_vision(trainer, base_dir, stage_name, pretrained=pretrained)
     return trainer
 
 
-def ship_vision(trainer: SFTTrainer, base: Path, stage_name: str, target: Path = EMBEDDED_DIR) -> Path:
+def ship_vision(
+    trainer: SFTTrainer,
+    base: Path,
+    stage_name: str,
+    target: Path = EMBEDDED_DIR,
+    pretrained: PretrainState | None = None,
+) -> Path:
     """Install tower + projector (and the extended config and tokenizer) into `target`, after checking that the
     language-model tensors written are byte-identical to the base's; a stage's adapter goes to `vision-lora/`
     with the hashes of the weights it was trained against (`kestrel.engine.vision_adapter`)."""
@@ -173,6 +180,13 @@ def ship_vision(trainer: SFTTrainer, base: Path, stage_name: str, target: Path =
             "held_out_loss": round(trainer.state.eval_loss[-1][1], 4),
             "tower": asdict(VISION_STAGES[stage_name].tower),
             "lora_rank": trainer.adapter.r if trainer.adapter is not None else 0,
+            "tower_pretraining": None
+            if pretrained is None
+            else {
+                "steps": pretrained.step,
+                "minutes": round(pretrained.seconds / 60, 1),
+                "held_out_accuracy": {k: round(v, 3) for k, v in pretrained.accuracy[-1][1].items()},
+            },
             "text_weights_sha256": after,
         }
         (staged / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
