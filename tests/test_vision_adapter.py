@@ -85,6 +85,11 @@ def test_image_requests_run_on_the_vision_adapter_and_text_requests_never_do(see
         lora.apply_to_all(lora.slot_of(VISION_ADAPTER) if images else None)
         assert tokens == greedy_generate(llm.engine.model, ids, NEW, images)[0]
     lora.apply_to_all(None)
+    # A step with no image row runs with the adapter's hooks off the projections (no per-call hook cost).
+    text_ids, _ = prompts[2]
+    alone = llm.generate([text_ids], _greedy(), use_tqdm=False)[0].outputs[0]
+    assert not lora.attached and alone.token_ids == served[2][0]
+    assert alone.logprobs == pytest.approx(served[2][1], abs=1e-5)
     # Naming the adapter gives the same as leaving it to the engine.
     named = _run(llm, lora_name=[VISION_ADAPTER, VISION_ADAPTER, None])
     assert [t for t, _ in named] == [t for t, _ in served]

@@ -107,7 +107,7 @@ class Engine:
             vision_lora = vision_adapter_dir(path, self.model.has_vision)
         self.lora: LoRAManager | None = None
         if config.enable_lora or vision_lora is not None:
-            self.lora = self.runner.lora = LoRAManager(self.model)
+            self.lora = self.runner.lora = LoRAManager(self.model, detach_idle=self.runner.compiled is None)
         self.adapters = AdapterRegistry(self.lora, cfg.vocab_size, config.max_lora_rank)
         self._groups: dict[str, list[Request]] = {}
         if vision_lora is not None:

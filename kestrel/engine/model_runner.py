@@ -293,8 +293,8 @@ class ModelRunner:
     def execute(self, plan: SchedulePlan) -> tuple[StepLogits, ForwardBatch]:
         records, capture = self.records, bool(self.capture_layers)
         images = image_pieces(plan) if self.encoder_cache is not None else []
-        adapter_rows = self.lora is not None and any(c.request.lora_name for c in plan.chunks)
-        compiled = self.compiled is not None and records is None and not capture and not images and not adapter_rows
+        adapters = {c.request.lora_name for c in plan.chunks} - {None} if self.lora is not None else set()
+        compiled = self.compiled is not None and records is None and not capture and not images and not adapters
         bucket = self.compiled.bucket_for(plan) if compiled else 0
         batch, rows, copies = self.prepare(plan, pad_to=bucket)
         if images:
@@ -307,8 +307,9 @@ class ModelRunner:
             if self.replay_verify and any(c.verify for c in plan.chunks):
                 batch.kda_inputs = {}
         if self.lora is not None:  # each row's adapter; the LoRA hooks group rows by adapter once per step
-            slot = {name: self.lora.slot_of(name) for name in {c.request.lora_name for c in plan.chunks} if name}
-            self.lora.set_rows([slot.get(c.request.lora_name) for c in plan.chunks for _ in range(c.num_tokens)])
+            slot = {name: self.lora.slot_of(name) for name in adapters}
+            per_row = [slot.get(c.request.lora_name) for c in plan.chunks for _ in range(c.num_tokens)] if slot else []
+            self.lora.set_rows(per_row)
         hidden = self.compiled(batch) if bucket else self.model(batch)
         for src, dst in copies:
             self.states.copy(src, dst)

@@ -330,16 +330,54 @@ class _ExpertsHook:
         return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
 
 
-class LoRAManager:
-    """Adapters of one model in numbered slots; `segments` says which slot applies to which rows this forward."""
+def _hooked(hook: _Hook | _ExpertsHook) -> bool:
+    module = hook.module
+    if isinstance(module, (FusedLinear, Experts)):
+        return module.lora is hook
+    return bool(module._forward_hooks)
 
-    def __init__(self, model: nn.Module) -> None:
+
+class LoRAManager:
+    """Adapters of one model in numbered slots; `segments` says which slot applies to which rows this forward.
+
+    `detach_idle`: a forward with no adapter row runs with the hooks taken off the projections (an eager engine
+    whose adapters only some requests use: a registered hook costs every call its dispatch, ~2% of a batch-1 step
+    of kestrel-mini). A compiled forward keeps them on: its graphs were traced with them.
+    """
+
+    def __init__(self, model: nn.Module, detach_idle: bool = False) -> None:
         self.model = model
         self.targets = lora_targets(model)
         self.adapters: dict[int, LoRAAdapter] = {}
         self.hooks: dict[int, _Hook] = {}  # id(module) -> hook
+        self._handles: dict[int, object] = {}  # id(module) -> forward-hook handle of a plain nn.Linear, while on
+        self.detach_idle = detach_idle
+        self._on = True
         # (slot, row mask [T, 1] or None for every row) of the next forward.
         self.segments: list[tuple[int, torch.Tensor | None]] = []
+
+    @property
+    def attached(self) -> bool:
+        """The hooks are on the projections (off only between base-only forwards with `detach_idle`)."""
+        return all(_hooked(hook) for hook in self.hooks.values())
+
+    def attach(self) -> None:
+        self._on = True
+        for key, hook in self.hooks.items():
+            module = hook.module
+            if isinstance(module, (FusedLinear, Experts)):
+                module.lora = hook
+            elif key not in self._handles:
+                self._handles[key] = module.register_forward_hook(lambda mod, args, out, h=hook: h(args[0], out))
+
+    def detach(self) -> None:
+        self._on = False
+        for hook in self.hooks.values():
+            if isinstance(hook.module, (FusedLinear, Experts)):
+                hook.module.lora = None
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
 
     def slot_of(self, name: str) -> int:
         for slot, adapter in self.adapters.items():
@@ -355,13 +393,9 @@ class LoRAManager:
         slot = next(i for i in range(len(self.adapters) + 1) if i not in self.adapters)
         for module_name, (a, b) in adapter.weights.items():
             module, part = self.targets[module_name]
-            hook = self.hooks.get(id(module))
-            if hook is None:
-                hook = self.hooks[id(module)] = (_ExpertsHook if isinstance(module, Experts) else _Hook)(self, module)
-                if isinstance(module, (FusedLinear, Experts)):
-                    module.lora = hook
-                else:
-                    module.register_forward_hook(lambda mod, args, out, h=hook: h(args[0], out))
+            if id(module) not in self.hooks:
+                self.hooks[id(module)] = (_ExpertsHook if isinstance(module, Experts) else _Hook)(self, module)
+            hook = self.hooks[id(module)]
             w = module.gate_up_proj if isinstance(module, Experts) else module.weight
             if not a.requires_grad:
                 a, b = a.to(w.device, w.dtype), b.to(w.device, w.dtype)
@@ -370,6 +404,7 @@ class LoRAManager:
             else:
                 hook.entries.setdefault(slot, []).append((hook.columns(part), a, b, adapter.scale))
         self.adapters[slot] = adapter
+        self.attach()
         return slot
 
     def rename(self, name: str, new_name: str) -> None:
@@ -393,6 +428,8 @@ class LoRAManager:
         """
         self.segments = []
         present = sorted({s for s in slots or () if s is not None})
+        if self.detach_idle and bool(present) != self._on:  # only on a change: module setattr costs ~1 us each
+            self.attach() if present else self.detach()
         if not present:  # a base-only step (the common one when only image requests use an adapter)
             return
         if len(present) == 1 and all(s == present[0] for s in slots):
@@ -405,3 +442,5 @@ class LoRAManager:
     def apply_to_all(self, slot: int | None) -> None:
         """Every row of every forward uses `slot` (a trainer's single adapter); None = the base alone."""
         self.segments = [] if slot is None else [(slot, None)]
+        if slot is not None and not self._on:
+            self.attach()
