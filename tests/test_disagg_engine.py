@@ -152,6 +152,32 @@ def test_outputs_equal_a_unified_engine_and_a_later_turn_moves_only_its_new_page
     _assert_idle(prefill, decode)
 
 
+def test_an_image_request_through_prefill_and_decode_equals_a_unified_engine(trio):
+    """kestrel-mini sees: both workers get the request's images (the router sends both halves the same body), the
+    prefill side runs the tower and the vision adapter, the decode side goes on from the moved pages on the adapter
+    too, and the answer is the unified engine's."""
+    from kestrel.chat_template import render_chat
+    from kestrel.engine.vision_adapter import VISION_ADAPTER
+    from kestrel.models.vision.inputs import expand_placeholders
+    from kestrel.models.vision.preprocess import preprocess_image
+    from kestrel.train.vision_data import render_image
+
+    prefill, decode, unified = trio
+    vision = unified.model_config.vision
+    chat = [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "What shape is this?"}]}]
+    images = [preprocess_image(render_image("shape", 31337)[0], vision)]
+    prompt = expand_placeholders(unified.encode(render_chat(chat)), images, vision.image_token_id)
+    rid = unified.add_request(prompt, GREEDY, images=images)
+    expected = _drain(unified)["outputs"][rid].outputs[0].token_ids
+    target = _target(prefill)
+    decode.add_request(prompt, GREEDY, "dimg", bootstrap=target, images=images)
+    prefill.add_request(prompt, GREEDY, "pimg", bootstrap=target, images=images)
+    assert decode.requests("dimg")[0].lora_name == prefill.requests("pimg")[0].lora_name == VISION_ADAPTER
+    out = _drain(prefill, decode)["outputs"]["dimg"].outputs[0]
+    assert out.token_ids == expected and out.error is None
+    _assert_idle(prefill, decode)
+
+
 @pytest.fixture(scope="module")
 def impatient():
     """A pair whose requests give up after half a second without their other half."""
