@@ -429,7 +429,10 @@ class LoRAManager:
         self.segments = []
         present = sorted({s for s in slots or () if s is not None})
         if self.detach_idle and bool(present) != self._on:  # only on a change: module setattr costs ~1 us each
-            self.attach() if present else self.detach()
+            if present:
+                self.attach()
+            else:
+                self.detach()
         if not present:  # a base-only step (the common one when only image requests use an adapter)
             return
         if len(present) == 1 and all(s == present[0] for s in slots):
