@@ -267,7 +267,7 @@ VISION_LORA_TARGETS = (
 
 VISION_STAGES = {
     # `kestrel train vision` (kestrel/train/vision_stage.py): the stage the shipped seeing kestrel-mini comes from.
-    # Step-budgeted, so a loaded machine trains the same model, only slower (~75 min on 2 quiet cores): the tower
+    # Step-budgeted, so a loaded machine trains the same model, only slower (62 min on 2 cores: 23 + 39): the tower
     # pretrains as a classifier, then stays frozen while projector and a rank-16 adapter learn.
     "mini": VisionStage(
         VisionMix(episodes=40000, hidden=128, layers=4, heads=4, intermediate=256),
