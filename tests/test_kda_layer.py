@@ -10,7 +10,7 @@ import torch
 
 from kestrel.config import model_config_from_dict
 from kestrel.models.builtin import EMBEDDED_DIR
-from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.forward_batch import ForwardBatch, SequenceStates
 from kestrel.models.layers.kda import CHUNK_SIZE, KDAAttention
 
 
@@ -91,3 +91,42 @@ def test_replay_from_committed_states_equals_the_prefix_alone():
             _, conv_n, rec_n = layer.short_segments(mixed[sl], g[sl], beta[sl], [n], conv0[i : i + 1], rec0[i : i + 1])
             assert torch.equal(conv_r[i], conv_n[0])
             assert torch.equal(rec_r[i], rec_n[0])
+
+
+@pytest.mark.parametrize(
+    "n, snapshots",
+    [
+        (7, [1, 2, 3, 4, 5, 6]),  # a verify block with per-position snapshots
+        (5, [2, 2, 5]),  # a repeated offset and a snapshot after the last token (prefix-cache checkpoints)
+        (4, None),  # ReplaySSM's verify block, or a short prompt without checkpoints
+    ],
+)
+def test_segment_in_place_writes_what_short_segments_returns(n, snapshots):
+    """One sequence's segment read from and written to its pool slots (the concurrency-1 verify path) leaves the
+    slots bit for bit where the gather/stack/scatter form puts them; the slot it reads is also where it stores."""
+    layer = _layer()
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, layer.in_proj.in_features, generator=gen)
+    slots = 2 + len(snapshots or ())
+    conv_pool = torch.randn(slots, layer.conv_dim, layer.kernel - 1, generator=gen)
+    rec_pool = torch.randn(slots, layer.n_heads, layer.head_dim, layer.head_dim, generator=gen) * 0.1
+    conv0, rec0 = conv_pool[:1].clone(), rec_pool[:1].clone()
+    states = SequenceStates(
+        conv_pool.narrow(0, 0, 1),
+        rec_pool.narrow(0, 0, 1),
+        conv_pool.narrow(0, 0, 1),
+        rec_pool.narrow(0, 0, 1),
+        [(conv_pool.narrow(0, s, 1), rec_pool.narrow(0, s, 1)) for s in range(2, slots)],
+    )
+    with torch.inference_mode():
+        mixed, g, beta, _ = layer.project(x)
+        want = _States(conv0, rec0)
+        o_s, conv_s, rec_s = layer.short_segments(
+            mixed, g, beta, [n], conv0, rec0, [snapshots] if snapshots else None, want
+        )
+        o = layer.segment_in_place(mixed, g, beta, states, snapshots)
+    assert torch.equal(o, o_s)
+    assert torch.equal(conv_pool[0], conv_s[0]) and torch.equal(rec_pool[0], rec_s[0])
+    for index in range(len(snapshots or ())):
+        c, r = want.snapshots[(0, index)]
+        assert torch.equal(conv_pool[2 + index], c) and torch.equal(rec_pool[2 + index], r)

@@ -387,3 +387,46 @@ def test_compile_with_dflash_is_refused_by_name_instead_of_silently_running_eage
     with pytest.raises(ConfigError, match="compile.*speculative-algorithm"):
         EngineConfig(compile=True, speculative_algorithm="dflash")
     assert EngineConfig(compile=True).compile and EngineConfig(speculative_algorithm="dflash").speculative_algorithm
+
+
+def test_a_lone_verify_block_reads_and_writes_its_states_in_place(monkeypatch):
+    """Concurrency 1 (the c=1 speed target's case): every KDA layer of a verify block (and of a short prompt) reads
+    and writes its states in their pool slots (no gather, no scatter), and the output still equals plain greedy
+    decoding."""
+    from kestrel.models.layers import kda
+
+    calls = {"in_place": 0, "load_state": 0}
+    in_place = kda.KDAAttention.segment_in_place
+
+    def counted_in_place(self, *args):
+        calls["in_place"] += 1
+        return in_place(self, *args)
+
+    kw = dict(max_total_tokens=4096, max_model_len=1024, enable_prefix_caching=False)
+    prompt = "What is 12 + 7?"
+    want = LLM(None, **kw).generate([prompt], _greedy(24), use_tqdm=False)[0].outputs[0].token_ids
+    spec = LLM(None, speculative_algorithm="dflash", speculative_num_draft_tokens=7, **kw)
+    runner = spec.engine.runner
+    build = runner.build
+
+    def build_counting(inputs, decode_rows=None):
+        batch, rows = build(inputs, decode_rows)
+        load = batch.cache.load_state
+
+        def counted_load(layer):
+            calls["load_state"] += 1
+            return load(layer)
+
+        batch.cache.load_state = counted_load
+        return batch, rows
+
+    monkeypatch.setattr(kda.KDAAttention, "segment_in_place", counted_in_place)
+    monkeypatch.setattr(runner, "build", build_counting)
+    got = spec.generate([prompt], _greedy(24), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    steps = spec.engine.spec.num_verify_steps
+    kda_layers = spec.engine.model_config.kda_layers
+    assert steps > 0
+    # The short prompt's prefill takes the same path as the verify blocks.
+    assert calls["in_place"] == (steps + 1) * len(kda_layers)
+    assert calls["load_state"] == 0

@@ -14,7 +14,7 @@ from kestrel.engine.compiled_decode import CompiledDecode
 from kestrel.engine.encoder_cache import EncoderCache
 from kestrel.engine.scheduler import SchedulePlan
 from kestrel.models.decoder import CausalLM
-from kestrel.models.forward_batch import ForwardBatch
+from kestrel.models.forward_batch import ForwardBatch, SequenceStates
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.lora import LoRAManager
 from kestrel.models.vision.preprocess import ProcessedImage
@@ -39,6 +39,7 @@ class PagedCacheView:
         snapshot_slots: list[list[int]] | None = None,
         store_slots: torch.Tensor | None = None,
         state_range: tuple[int, int] | None = None,
+        single_slots: tuple[int, int] | None = None,
     ) -> None:
         self.kv, self.states = kv, states
         # Where each sequence's final KDA states go: its own slot, or the scratch slot for a ReplaySSM verify block
@@ -49,6 +50,8 @@ class PagedCacheView:
         self._history_list = history_list
         # (first slot, count) when every sequence is a decode row reading and writing consecutive state slots.
         self.state_range = state_range
+        # (state slot, store slot) of a one-sequence batch.
+        self.single_slots = single_slots
         # [D, L_max] for the decode rows; positions past a row's length are padding, masked by the layers.
         self.decode_slots = slot_table[:num_decode, : max(history_list[:num_decode], default=0)]
 
@@ -85,6 +88,21 @@ class PagedCacheView:
             return None
         lo, n = self.state_range
         return self.states.conv[layer].narrow(0, lo, n), self.states.recurrent[layer].narrow(0, lo, n)
+
+    def sequence_state_views(self, layer) -> SequenceStates | None:
+        """Pool views of a one-sequence batch's slots (see `SequenceStates`); never under torch.compile (the slot
+        ids would be baked into the graph)."""
+        if torch.compiler.is_compiling() or self.single_slots is None or self.states is None:
+            return None
+        conv, recurrent = self.states.conv[layer], self.states.recurrent[layer]
+        (slot, store), snaps = self.single_slots, self.snapshot_slots[0] if self.snapshot_slots else []
+        return SequenceStates(
+            conv.narrow(0, slot, 1),
+            recurrent.narrow(0, slot, 1),
+            conv.narrow(0, store, 1),
+            recurrent.narrow(0, store, 1),
+            [(conv.narrow(0, s, 1), recurrent.narrow(0, s, 1)) for s in snaps],
+        )
 
     def store_state(self, layer, conv_state, recurrent_state) -> None:
         conv, recurrent = self.states.conv[layer], self.states.recurrent[layer]
@@ -286,6 +304,7 @@ class ModelRunner:
             inputs.snapshot_slots,
             store_t,
             (first, b) if one_run else None,
+            (first, inputs.store_slots[0]) if b == 1 else None,
         )
         return batch, rows_t
 

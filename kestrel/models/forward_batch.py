@@ -47,6 +47,9 @@ class ModelCache(Protocol):
     def decode_state_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The states of an all-decode batch as writable views (updated in place instead of load + store), or None."""
 
+    def sequence_state_views(self, layer: int) -> SequenceStates | None:
+        """A one-sequence batch's states as pool views (its short segment reads and writes them in place), or None."""
+
     def store_state_snapshots(
         self,
         layer: int,
@@ -57,6 +60,19 @@ class ModelCache(Protocol):
     ) -> None:
         """Save, for each i, sequence seqs[i]'s states after its `state_snapshots[seq][indices[i]]`-th new token
         (prefix cache, speculative snapshots): conv [S, C, kernel-1], recurrent [S, H, K, V], one write per pool."""
+
+
+@dataclass
+class SequenceStates:
+    """One sequence's KDA states of one layer as views of their pool slots, each [1, ...]: the committed states it
+    starts from, where its states after its new tokens go, and where each snapshot of `state_snapshots` goes (in
+    order). A verify block writes every state straight to its slot: no gather, stack or scatter copies."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    final_conv: torch.Tensor
+    final_recurrent: torch.Tensor
+    snapshots: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Replay(Protocol):

@@ -71,6 +71,9 @@ class SimpleCache:
     def decode_state_views(self, layer: int) -> None:
         return None  # the oracle path keeps load + store
 
+    def sequence_state_views(self, layer: int) -> None:
+        return None
+
     def store_state(self, layer: int, conv_state, recurrent_state) -> None:
         conv, rec = self.states[layer]
         n = self.batch.num_seqs

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.models.forward_batch import ForwardBatch, PackedPrefill
+from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, SequenceStates
 from kestrel.models.layers import batch_invariant
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.constants import fp32_scalar
@@ -97,6 +97,11 @@ class KDAAttention(HooklessModule):
         views = cache.decode_state_views(self.layer_id) if cache is not None and not torch.is_grad_enabled() else None
         if views is not None:  # every row decodes, its states updated where they live in the pool
             return self._output(self.decode_in_place(mixed, g, beta, *views), gate, x.dtype)
+        if cache is not None and nd == 0 and n == 1 and batch.extend_lens[0] <= RECURRENT_MAX_TOKENS:
+            states = cache.sequence_state_views(self.layer_id) if not torch.is_grad_enabled() else None
+            if states is not None:  # one verify block or short prompt: its states written where they live
+                snaps = batch.state_snapshots[0] if batch.state_snapshots else None
+                return self._output(self.segment_in_place(mixed, g, beta, states, snaps), gate, x.dtype)
         if cache is not None:
             conv_state, rec_state = cache.load_state(self.layer_id)
         else:
@@ -245,12 +250,7 @@ class KDAAttention(HooklessModule):
                 t = t.new_zeros(b * width, *t.shape[1:]).index_copy(0, rows, t)
             return t.view(b, width, *t.shape[1:])
 
-        x = torch.cat([conv_state.to(mixed.dtype).transpose(1, 2), pad(mixed)], dim=1)  # [b, keep + L, 3C]
-        w = self.conv1d.weight.squeeze(1)
-        conv = x[:, :width] * w[:, 0]
-        for j in range(1, self.kernel):
-            conv = conv.addcmul(x[:, j : j + width], w[:, j])
-        q, k, v = self._qkv(F.silu(conv))
+        x, (q, k, v) = self._conv_qkv(conv_state, pad(mixed))
         wanted = sorted({m - 1 for offsets in snapshots or () for m in offsets or ()})
         o, state, kept = kda_steps(q, k, v, pad(g), pad(beta), rec_state, wanted)
         o = o.reshape(b * width, *o.shape[2:])
@@ -280,6 +280,38 @@ class KDAAttention(HooklessModule):
                 self.layer_id, [first_seq + i for i in seqs], indices, convs, torch.stack(states)
             )
         return o, conv_final, state
+
+    def _conv_qkv(self, conv_state: torch.Tensor, mixed: torch.Tensor):
+        """Right-padded [b, L, 3C] conv inputs after their cached ones → (the run x [b, keep + L, 3C], (q, k, v))."""
+        width = mixed.shape[1]
+        x = torch.cat([conv_state.to(mixed.dtype).transpose(1, 2), mixed], dim=1)
+        w = self.conv1d.weight.squeeze(1)
+        conv = x[:, :width] * w[:, 0]
+        for j in range(1, self.kernel):
+            conv = conv.addcmul(x[:, j : j + width], w[:, j])
+        return x, self._qkv(F.silu(conv))
+
+    def segment_in_place(self, mixed, g, beta, states: SequenceStates, snapshots: list[int] | None) -> torch.Tensor:
+        """`short_segments` for a one-sequence batch (a verify block or short prompt at concurrency 1), reading and
+        writing its states where they live (`SequenceStates`): the same arithmetic, without the gather, the stack
+        of kept states and the scatters into the pool. Returns the outputs [T, H, V]."""
+        n, keep, offsets = mixed.shape[0], self.kernel - 1, snapshots or []
+        x, (q, k, v) = self._conv_qkv(states.conv, mixed[None])
+        into, copies = {}, []  # token index -> where the state after it goes; (slot, token) written twice
+        for t, dst in [(m - 1, rec) for m, (_, rec) in zip(offsets, states.snapshots)] + [
+            (n - 1, states.final_recurrent)
+        ]:
+            if t in into:
+                copies.append((dst, t))
+            else:
+                into[t] = dst
+        o, _, _ = kda_steps(q, k, v, g[None], beta[None], states.recurrent, out=into)
+        for dst, t in copies:
+            dst.copy_(into[t])
+        for m, (conv, _) in zip(offsets, states.snapshots):
+            conv.copy_(x[:, m : m + keep].transpose(1, 2))
+        states.final_conv.copy_(x[:, n : n + keep].transpose(1, 2))
+        return o[0]
 
     def replay(self, mixed, g, beta, rows: torch.Tensor, lens: list[int], conv_state, rec_state):
         """ReplaySSM: `lens[i]` tokens of sequence i (flat `rows` of the given inputs, in order) from its committed

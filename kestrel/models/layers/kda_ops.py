@@ -116,31 +116,38 @@ def kda_steps(
     beta: torch.Tensor,
     state: torch.Tensor,
     keep_after: list[int] | None = None,
+    out: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """`kda_step` over T tokens (short prefills, verify blocks): everything not touching S is computed for all
     tokens at once, so each token costs one matmul and three updates. Same layout and contract as kda_recurrent.
 
-    keep_after: token indices after which the whole-batch state is also returned (in that order). Returns
-    (o [B, T, H, V], final state, kept states).
+    keep_after: token indices after which the whole-batch state is also returned (in that order). out: token index
+    -> a tensor (e.g. a view of a pool slot) the state after that token is written into instead of a new one; the
+    arithmetic is the same. Returns (o [B, T, H, V], final state, kept states).
     """
     dt = _compute_dtype(q, k, v, g, beta)
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     state = _initial_state(state, k, v, dt)
     decay = g.exp()
     reads = torch.stack([k * decay, q * decay], dim=-2).unbind(1)  # per token [B, H, 2, K]
-    qk = (q * k).sum(-1, keepdim=True).unbind(1)
     vs, betas, ks, decays = v.unbind(1), beta.unsqueeze(-1).unbind(1), k.unsqueeze(-1).unbind(1), decay.unsqueeze(-1)
     decays = decays.unbind(1)
-    wanted = set(keep_after or ())
-    outs, kept = [], {}
+    wanted, into = set(keep_after or ()), out or {}
+    recalls, deltas, kept = [], [], {}
     for t in range(q.shape[1]):
-        read = torch.matmul(reads[t], state)  # [B, H, 2, V]
+        read = torch.matmul(reads[t], state)  # [B, H, 2, V]: the decayed state's recall of k_t, and of q_t
         delta = (vs[t] - read[..., 0, :]) * betas[t]
-        outs.append(torch.addcmul(read[..., 1, :], qk[t], delta))
-        state = (state * decays[t]).addcmul_(ks[t], delta.unsqueeze(-2))
+        recalls.append(read)
+        deltas.append(delta)
+        decayed = state * decays[t] if t not in into else torch.mul(state, decays[t], out=into[t])
+        state = decayed.addcmul_(ks[t], delta.unsqueeze(-2))
         if t in wanted:
             kept[t] = state
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    if not recalls:
+        return v.new_zeros(v.shape), state, []
+    # o_t = (q⊙e)ᵀS_{t-1} + (q·k) delta_t for all tokens at once (the same elementwise ops as per token)
+    qk = (q * k).sum(-1, keepdim=True)
+    o = torch.addcmul(torch.stack(recalls, dim=1)[..., 1, :], qk, torch.stack(deltas, dim=1))
     return o, state, [kept[t] for t in keep_after or ()]
 
 
