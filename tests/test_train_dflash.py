@@ -11,7 +11,7 @@ import torch
 from kestrel.models.checkpoint import text_weights_sha256
 from kestrel.models.loader import load_model
 from kestrel.spec.draft import load_draft, save_draft
-from kestrel.train.dflash import DFlashTrainConfig, DFlashTrainer, block_loss
+from kestrel.train.dflash import DFlashTrainConfig, DFlashTrainer, block_loss, ship_draft
 
 
 def _cfg(steps: int) -> DFlashTrainConfig:
@@ -70,6 +70,14 @@ def test_warm_start_begins_from_the_given_draft_and_refuses_another_shape(tiny_c
     assert warm.evaluate() == pytest.approx(first.evaluate())
     warm.train()
     assert warm.state.step == 2
+    # Shipping records the run's data and the summary of the draft it continued (here: a draft with none).
+    shipped = ship_draft(warm, tmp_path / "shipped")
+    summary = json.loads((shipped / "training_summary.json").read_text())
+    assert summary["num_prompts"] == 6 and summary["warm_start"] == {"path": str(first.out / "checkpoint")}
+    twice = DFlashTrainer(target, tmp_path / "twice", dataclasses.replace(_cfg(1), init_draft=str(shipped)))
+    twice.train()
+    history = json.loads((ship_draft(twice, tmp_path / "shipped2") / "training_summary.json").read_text())
+    assert history["warm_start"] == summary and history["steps"] == 1
     other = tmp_path / "other"
     save_draft(first.draft, other)
     cfg = json.loads((other / "config.json").read_text())

@@ -154,6 +154,8 @@ class DFlashTrainer:
             for p in self.draft.parameters():
                 if p.dim() >= 2:
                     p.normal_(0, 0.02)
+        # The training summary of the draft this run starts from (its history goes into the shipped summary).
+        self.warm_start: dict | None = None
         if cfg.init_draft is not None:
             self._init_from(Path(cfg.init_draft))
         self.optimizer = torch.optim.AdamW(
@@ -177,6 +179,8 @@ class DFlashTrainer:
             if given.get(key) != ours.get(key):
                 raise ValueError(f"init_draft: {key} is {given.get(key)!r}, this run needs {ours.get(key)!r}")
         load_weights(self.draft, path)
+        summary = path / "training_summary.json"
+        self.warm_start = json.loads(summary.read_text()) if summary.exists() else {"path": str(path)}
         if given.get("target_sha256") != ours["target_sha256"]:
             log.info("warm start from %s, a draft of another target: distilling it to this one", path)
         else:
@@ -341,7 +345,10 @@ def ship_draft(trainer: DFlashTrainer, target: Path = EMBEDDED_DRAFT_DIR) -> Pat
         "params": sum(p.numel() for p in trainer.draft.parameters()),
         "held_out_accept_length": round(trainer.state.eval_accept[-1][1], 3),
         "eval_block_size": trainer.cfg.eval_block,
+        "num_prompts": trainer.cfg.num_prompts,
     }
+    if trainer.warm_start is not None:
+        summary["warm_start"] = trainer.warm_start
     (target / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return target
 
