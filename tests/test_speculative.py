@@ -430,3 +430,49 @@ def test_a_lone_verify_block_reads_and_writes_its_states_in_place(monkeypatch):
     # The short prompt's prefill takes the same path as the verify blocks.
     assert calls["in_place"] == (steps + 1) * len(kda_layers)
     assert calls["load_state"] == 0
+
+
+def test_a_prefix_cache_hit_gives_the_draft_the_cached_tokens_context():
+    """The cached prompt's draft context comes from the context pool: asked again, each request proposes exactly as
+    when it computed its whole prompt (same acceptance lengths); with the pool forgotten, the cached positions are
+    holes in the draft KV (and the outputs still do not change)."""
+    from kestrel.train.dflash import chat_prompts
+
+    prompts = chat_prompts(31_000, 3)
+    spec = LLM(None, speculative_algorithm="dflash", max_total_tokens=16384, max_model_len=2048)
+    params = _greedy(48)
+    first = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    again = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(first, again):
+        assert a.cached_tokens == 0 and b.cached_tokens >= 16  # whole pages of the prompt
+        assert b.token_ids == a.token_ids
+        assert (b.spec_verify_ct, b.spec_accept_length) == (a.spec_verify_ct, a.spec_accept_length)
+
+    def context_after_prefill(prompt: str) -> tuple[int, torch.Tensor]:
+        engine = spec.engine
+        engine.add_request(engine.encode(prompt), params)
+        engine.step()
+        req = engine.scheduler.running[0]
+        valid = req.spec.kv.valid[: len(req.prompt_ids)].clone()
+        while engine.has_unfinished:
+            engine.step()
+        return req.cached_tokens, valid
+
+    cached, valid = context_after_prefill(prompts[2])
+    assert cached >= 64 and bool(valid.all())
+    spec.engine.spec.context_pool.key.fill_(-1)  # every row forgotten
+    cached, valid = context_after_prefill(prompts[2])
+    assert cached >= 64 and not bool(valid[:cached].any()) and bool(valid[cached:].all())
+    blind = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert [b.token_ids for b in blind] == [a.token_ids for a in first]
+
+
+def test_context_pool_rows_are_used_only_for_the_token_and_position_they_were_written_for():
+    from kestrel.spec.context_pool import DraftContextPool
+
+    pool = DraftContextPool(8, 4, torch.float32, torch.device("cpu"))
+    feats = torch.arange(12.0).view(3, 4)
+    pool.write(torch.tensor([5, 1, 6]), torch.tensor([10, 11, 12]), torch.tensor([0, 1, 2]), feats)
+    got, positions = pool.read(torch.tensor([5, 1, 6, 2]), torch.tensor([10, 99, 12, 13]), torch.tensor([0, 1, 7, 3]))
+    assert positions.tolist() == [0]  # slot 1 holds another token, slot 6 another position, slot 2 nothing
+    assert torch.equal(got, feats[:1])

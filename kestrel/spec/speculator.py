@@ -18,6 +18,7 @@ from kestrel.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
 from kestrel.models.forward_batch import ForwardBatch
 from kestrel.spec.acceptance import greedy_accept, sampled_accept
 from kestrel.spec.context import DraftKV, gather
+from kestrel.spec.context_pool import DraftContextPool
 from kestrel.spec.draft import DFlashDraft
 from kestrel.spec.rollback import ReplayRollback, SnapshotRollback
 
@@ -58,6 +59,9 @@ class DFlashSpeculator:
             ReplayRollback(target) if replay else SnapshotRollback(scheduler.cache.alloc_slot, scheduler.slots.free)
         )
         runner.capture_layers = tuple(draft.cfg.target_layer_ids)
+        # The context features of every cached token, by KV slot: prefix-cache hits fill the draft KV from here.
+        w = draft.fc.weight
+        self.context_pool = DraftContextPool(runner.kv_slots, w.shape[0], w.dtype, w.device)
         runner.replay_verify = replay
         scheduler.spec_block = self.block_len
         self.num_verify_steps = 0
@@ -182,15 +186,30 @@ class DFlashSpeculator:
         rows_t = torch.tensor(rows, device=batch.input_ids.device)
         feats = self.draft.context({k: h[rows_t] for k, h in batch.captured.items()})
         positions = batch.positions[rows_t]
+        self.context_pool.write(batch.cache.write_slots[rows_t], batch.input_ids[rows_t], positions, feats)
         kv = self.draft.context_kv(feats, positions)
         at = 0
         for c, n in seqs:
             req = c.request
             if req.spec is None:
                 req.spec = SpecState(self._new_kv(req))
+                if c.start:  # a prefix-cache hit: the cached tokens' context, from where they were computed
+                    self._cached_context(req, c.start)
             sl = slice(at, at + n)
             req.spec.kv.write(positions[sl], [(k[sl], v[sl]) for k, v in kv])
             at += n
+
+    def _cached_context(self, req: Request, cached: int) -> None:
+        """Write the draft keys/values of the request's first `cached` tokens (not computed by its own forwards)
+        from the context pool rows of their KV slots; rows written for other tokens stay holes."""
+        device, ps = self.context_pool.feats.device, self.scheduler.pages.page_size
+        positions = torch.arange(cached, device=device)
+        pages = torch.tensor(req.pages[: -(-cached // ps)], dtype=torch.long, device=device)
+        slots = pages[positions // ps] * ps + positions % ps
+        tokens = torch.tensor(req.all_ids[:cached], dtype=torch.long, device=device)
+        feats, positions = self.context_pool.read(slots, tokens, positions)
+        if len(positions):
+            req.spec.kv.write(positions, self.draft.context_kv(feats, positions))
 
     def attach_context(self, req: Request) -> DraftKV:
         """Give a request its (empty) draft KV now rather than at its first forward: a decode worker of a
