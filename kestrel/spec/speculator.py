@@ -8,6 +8,7 @@ back to the accepted prefix, frees rejected pages and writes the committed token
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,8 @@ from kestrel.spec.context import DraftKV, gather
 from kestrel.spec.context_pool import DraftContextPool
 from kestrel.spec.draft import DFlashDraft
 from kestrel.spec.rollback import ReplayRollback, SnapshotRollback
+
+log = logging.getLogger(__name__)
 
 # One committed token: (token id, raw logprob, top logprobs or None).
 Token = tuple[int, float, list | None]
@@ -62,6 +65,7 @@ class DFlashSpeculator:
         # The context features of every cached token, by KV slot: prefix-cache hits fill the draft KV from here.
         w = draft.fc.weight
         self.context_pool = DraftContextPool(runner.kv_slots, w.shape[0], w.dtype, w.device)
+        log.info("DFlash: block %d, draft context pool %.1f MB", block, self.context_pool.nbytes / 2**20)
         runner.replay_verify = replay
         scheduler.spec_block = self.block_len
         self.num_verify_steps = 0
