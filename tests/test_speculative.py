@@ -406,6 +406,7 @@ def test_a_lone_verify_block_reads_and_writes_its_states_in_place(monkeypatch):
     prompt = "What is 12 + 7?"
     want = LLM(None, **kw).generate([prompt], _greedy(24), use_tqdm=False)[0].outputs[0].token_ids
     spec = LLM(None, speculative_algorithm="dflash", speculative_num_draft_tokens=7, **kw)
+    assert spec.engine.spec.context_pool is None  # no prefix cache, no cached tokens to give context for
     runner = spec.engine.runner
     build = runner.build
 

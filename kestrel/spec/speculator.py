@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kestrel.cache.prefix import NoPrefixCache
 from kestrel.engine.request import Request
 from kestrel.engine.sampler import Sampler, SamplingRow, _top_logprobs
 from kestrel.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
@@ -62,10 +63,13 @@ class DFlashSpeculator:
             ReplayRollback(target) if replay else SnapshotRollback(scheduler.cache.alloc_slot, scheduler.slots.free)
         )
         runner.capture_layers = tuple(draft.cfg.target_layer_ids)
-        # The context features of every cached token, by KV slot: prefix-cache hits fill the draft KV from here.
-        w = draft.fc.weight
-        self.context_pool = DraftContextPool(runner.kv_slots, w.shape[0], w.dtype, w.device)
-        log.info("DFlash: block %d, draft context pool %.1f MB", block, self.context_pool.nbytes / 2**20)
+        # The context features of every cached token, by KV slot: prefix-cache hits fill the draft KV from here
+        # (none without a prefix cache: no request starts past position 0 then).
+        self.context_pool: DraftContextPool | None = None
+        if not isinstance(scheduler.cache, NoPrefixCache):
+            w = draft.fc.weight
+            self.context_pool = DraftContextPool(runner.kv_slots, w.shape[0], w.dtype, w.device)
+            log.info("DFlash: block %d, draft context pool %.1f MB", block, self.context_pool.nbytes / 2**20)
         runner.replay_verify = replay
         scheduler.spec_block = self.block_len
         self.num_verify_steps = 0
@@ -190,14 +194,15 @@ class DFlashSpeculator:
         rows_t = torch.tensor(rows, device=batch.input_ids.device)
         feats = self.draft.context({k: h[rows_t] for k, h in batch.captured.items()})
         positions = batch.positions[rows_t]
-        self.context_pool.write(batch.cache.write_slots[rows_t], batch.input_ids[rows_t], positions, feats)
+        if self.context_pool is not None:
+            self.context_pool.write(batch.cache.write_slots[rows_t], batch.input_ids[rows_t], positions, feats)
         kv = self.draft.context_kv(feats, positions)
         at = 0
         for c, n in seqs:
             req = c.request
             if req.spec is None:
                 req.spec = SpecState(self._new_kv(req))
-                if c.start:  # a prefix-cache hit: the cached tokens' context, from where they were computed
+                if c.start and self.context_pool is not None:  # a prefix-cache hit: the cached tokens' context
                     self._cached_context(req, c.start)
             sl = slice(at, at + n)
             req.spec.kv.write(positions[sl], [(k[sl], v[sl]) for k, v in kv])

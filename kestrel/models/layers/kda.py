@@ -98,7 +98,7 @@ class KDAAttention(HooklessModule):
         if views is not None:  # every row decodes, its states updated where they live in the pool
             return self._output(self.decode_in_place(mixed, g, beta, *views), gate, x.dtype)
         if cache is not None and nd == 0 and n == 1 and batch.extend_lens[0] <= RECURRENT_MAX_TOKENS:
-            states = cache.sequence_state_views(self.layer_id) if not torch.is_grad_enabled() else None
+            states = None if torch.is_grad_enabled() else cache.sequence_state_views(self.layer_id)
             if states is not None:  # one verify block or short prompt: its states written where they live
                 snaps = batch.state_snapshots[0] if batch.state_snapshots else None
                 return self._output(self.segment_in_place(mixed, g, beta, states, snaps), gate, x.dtype)
@@ -297,10 +297,11 @@ class KDAAttention(HooklessModule):
         of kept states and the scatters into the pool. Returns the outputs [T, H, V]."""
         n, keep, offsets = mixed.shape[0], self.kernel - 1, snapshots or []
         x, (q, k, v) = self._conv_qkv(states.conv, mixed[None])
-        into, copies = {}, []  # token index -> where the state after it goes; (slot, token) written twice
-        for t, dst in [(m - 1, rec) for m, (_, rec) in zip(offsets, states.snapshots)] + [
-            (n - 1, states.final_recurrent)
-        ]:
+        # Token index -> the slot its state goes to; a second slot for the same token (a repeated offset, or a
+        # snapshot after the last token) gets a copy.
+        targets = [(m - 1, rec) for m, (_, rec) in zip(offsets, states.snapshots)] + [(n - 1, states.final_recurrent)]
+        into, copies = {}, []
+        for t, dst in targets:
             if t in into:
                 copies.append((dst, t))
             else:
