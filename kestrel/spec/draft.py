@@ -140,11 +140,16 @@ class DraftAttention(nn.Module):
         q = self.q_proj(flat).view(n * b, self.n_heads, self.nope + self.rope_dim)
         q = torch.cat([q[..., : self.nope], apply_rope_interleaved(q[..., self.nope :], c, s)], dim=-1)
         k, v = self.kv(flat, c, s)
-        keys = torch.cat([ctx_k, k.view(n, b, self.n_heads, -1)], dim=1).transpose(1, 2)  # [N, H, L+B, dk]
-        values = torch.cat([ctx_v, v.view(n, b, self.n_heads, -1)], dim=1).transpose(1, 2)
-        mask = torch.cat([ctx_mask, ctx_mask.new_ones(n, b)], dim=1)[:, None, None, :]  # bidirectional in block
-        out = F.scaled_dot_product_attention(
-            q.view(n, b, self.n_heads, -1).transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale
+        # One softmax over the context's and the block's scores (bidirectional in the block), the two halves
+        # multiplied separately: the context is never copied into a [context; block] tensor, and no
+        # scaled_dot_product_attention (dk != dv sends it to its unfused math path: 0.2 ms a layer at 250 tokens).
+        q = (q * self.scale).view(n, b, self.n_heads, -1).transpose(1, 2)  # [N, H, B, dk]
+        ctx_scores = torch.matmul(q, ctx_k.permute(0, 2, 3, 1)).masked_fill(~ctx_mask[:, None, None, :], -torch.inf)
+        own_scores = torch.matmul(q, k.view(n, b, self.n_heads, -1).permute(0, 2, 3, 1))
+        probs = torch.cat([ctx_scores, own_scores], dim=-1).softmax(dim=-1)
+        width = ctx_k.shape[1]
+        out = torch.matmul(probs[..., :width], ctx_v.transpose(1, 2)).add_(
+            torch.matmul(probs[..., width:], v.view(n, b, self.n_heads, -1).transpose(1, 2))
         )
         return self.o_proj(out.transpose(1, 2).reshape(n, b, -1))
 

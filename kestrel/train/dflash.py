@@ -187,15 +187,20 @@ class DFlashTrainer:
             log.info("warm start from %s", path)
 
     def _data(self) -> list[tuple[list[int], int]]:
-        """Target answers to the prompts, generated once and kept in the output folder (resumable)."""
+        """Target answers to the prompts, generated once and kept in the output folder (resumable).
+
+        The prompt list is prefix-stable (same seed), so a folder whose answers cover fewer prompts than asked for
+        (a copied `distill_data.json`, or a larger `--num-prompts`) only generates the missing ones."""
         path = self.out / "distill_data.json"
-        if path.exists():
-            return [tuple(x) for x in json.loads(path.read_text())]
+        data = [tuple(x) for x in json.loads(path.read_text())] if path.exists() else []
+        if len(data) >= self.cfg.num_prompts:
+            return data[: self.cfg.num_prompts]
         t0 = time.perf_counter()
-        data = target_answers(
-            self.target_path, chat_prompts(self.cfg.seed, self.cfg.num_prompts), self.cfg.max_new_tokens
-        )
-        self.state.data_seconds = time.perf_counter() - t0
+        prompts = chat_prompts(self.cfg.seed, self.cfg.num_prompts)[len(data) :]
+        if data:
+            log.info("answers for %d prompts kept; generating the other %d", len(data), len(prompts))
+        data += [tuple(x) for x in target_answers(self.target_path, prompts, self.cfg.max_new_tokens)]
+        self.state.data_seconds += time.perf_counter() - t0
         path.write_text(json.dumps(data))
         return data
 

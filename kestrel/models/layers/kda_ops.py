@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kestrel.models.layers import kda_kernel
 from kestrel.models.layers.constants import fp32_scalar
 
 
@@ -98,7 +99,11 @@ def kda_step(
     (q⊙e)ᵀS + (q·k)·delta, so one batched matmul against the old S serves both and S is written once.
     q, k, g: [B, H, K] fp32; v: [B, H, V]; beta: [B, H]; state: [B, H, K, V] fp32. Returns (o [B, H, V], state);
     `in_place` updates the given state tensor (the same values: each element is decayed, then written, either way).
+    On CPU in fp32 outside autograd the compiled loop (`kda_kernel`) does the same arithmetic.
     """
+    if kda_kernel.applies(q, state):
+        final = state if in_place else torch.empty_like(state)
+        return kda_kernel.steps(q, k, v, g, beta, state, {}, final), final
     decay = g.exp()
     read = torch.matmul(torch.stack([k * decay, q * decay], dim=-2), state)  # [B, H, 2, V]
     delta = ((v if v.dtype == state.dtype else v.to(state.dtype)) - read[..., 0, :]) * beta.unsqueeze(-1)
@@ -123,8 +128,12 @@ def kda_steps(
 
     keep_after: token indices after which the whole-batch state is also returned (in that order). out: token index
     -> a tensor (e.g. a view of a pool slot) the state after that token is written into instead of a new one; the
-    arithmetic is the same. Returns (o [B, T, H, V], final state, kept states).
+    arithmetic is the same. Returns (o [B, T, H, V], final state, kept states). On CPU in fp32 outside autograd the
+    compiled loop (`kda_kernel`) does the same arithmetic.
     """
+    into = out or {}
+    if q.shape[1] and state is not None and kda_kernel.applies(q, state, *into.values()):
+        return _kernel_steps(q, k, v, g, beta, state, keep_after or [], into)
     dt = _compute_dtype(q, k, v, g, beta)
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     state = _initial_state(state, k, v, dt)
@@ -132,7 +141,7 @@ def kda_steps(
     reads = torch.stack([k * decay, q * decay], dim=-2).unbind(1)  # per token [B, H, 2, K]
     vs, betas, ks, decays = v.unbind(1), beta.unsqueeze(-1).unbind(1), k.unsqueeze(-1).unbind(1), decay.unsqueeze(-1)
     decays = decays.unbind(1)
-    wanted, into = set(keep_after or ()), out or {}
+    wanted = set(keep_after or ())
     recalls, deltas, kept = [], [], {}
     for t in range(q.shape[1]):
         read = torch.matmul(reads[t], state)  # [B, H, 2, V]: the decayed state's recall of k_t, and of q_t
@@ -149,6 +158,30 @@ def kda_steps(
     qk = (q * k).sum(-1, keepdim=True)
     o = torch.addcmul(torch.stack(recalls, dim=1)[..., 1, :], qk, torch.stack(deltas, dim=1))
     return o, state, [kept[t] for t in keep_after or ()]
+
+
+def _kernel_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep_after: list[int],
+    out: dict[int, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`kda_steps` through the compiled loop: the same buffers (`out`'s, new ones for `keep_after`) receive the
+    states, the last token's state goes straight into its `out` tensor when it has one."""
+    last = q.shape[1] - 1
+    into = dict(out)
+    final = into.pop(last, None)
+    if final is None:
+        final = torch.empty_like(state)
+    for t in keep_after:
+        if t != last and t not in into:
+            into[t] = torch.empty_like(state)
+    o = kda_kernel.steps(q, k, v, g, beta, state, into, final)
+    return o, final, [final if t == last else into[t] for t in keep_after]
 
 
 def _intra_chunk_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""The compiled CPU loop of KDA (`kda_kernel`) against the PyTorch ops it replaces, and its use by the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kda_ops import make_inputs, max_diff, prepped
+
+from kestrel import LLM, SamplingParams
+from kestrel.models.layers import batch_invariant, kda_kernel
+from kestrel.models.layers.kda_ops import kda_step, kda_steps
+
+ATOL = 1e-5
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """Run the block with the kernel switched off (the PyTorch ops)."""
+
+    class Switch:
+        def __enter__(self):
+            monkeypatch.setenv(kda_kernel.ENV_SWITCH, "0")
+
+        def __exit__(self, *exc):
+            monkeypatch.delenv(kda_kernel.ENV_SWITCH)
+
+    return Switch()
+
+
+def test_the_kernel_builds_on_this_machine() -> None:
+    assert kda_kernel.module() is not None
+
+
+@pytest.mark.parametrize("T", [1, 7, 9])
+@torch.no_grad()
+def test_steps_match_the_torch_ops_with_kept_and_written_states(T: int, torch_ops) -> None:
+    x = make_inputs(B=3, T=T, H=2, K=16, V=24, seed=T)
+    q, k, v, g, beta = prepped(x)
+    keep = sorted({0, T // 2, T - 1})
+    slot = torch.empty_like(x["state"])  # a pool slot receiving the state after the first token
+    with torch_ops:
+        assert not kda_kernel.applies(q, x["state"])
+        o_ref, s_ref, kept_ref = kda_steps(q, k, v, g, beta, x["state"], keep_after=keep)
+    assert kda_kernel.applies(q, x["state"])
+    o, s, kept = kda_steps(q, k, v, g, beta, x["state"], keep_after=keep, out={0: slot})
+    assert max_diff(o, o_ref) < ATOL and max_diff(s, s_ref) < ATOL
+    assert len(kept) == len(keep) and all(max_diff(a, b) < ATOL for a, b in zip(kept, kept_ref))
+    assert torch.equal(slot, kept[0]) and kept[0].data_ptr() == slot.data_ptr()
+
+
+@torch.no_grad()
+def test_the_last_tokens_state_goes_into_its_out_tensor_even_when_that_is_the_input_state(torch_ops) -> None:
+    x = make_inputs(B=1, T=7, H=4, K=16, V=16, seed=5)
+    q, k, v, g, beta = prepped(x)
+    with torch_ops:
+        o_ref, s_ref, _ = kda_steps(q, k, v, g, beta, x["state"].clone())
+    state = x["state"].clone()  # read slot == store slot (a request's own slot)
+    o, s, _ = kda_steps(q, k, v, g, beta, state, out={6: state})
+    assert s.data_ptr() == state.data_ptr()
+    assert max_diff(o, o_ref) < ATOL and max_diff(state, s_ref) < ATOL
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@torch.no_grad()
+def test_decode_step_matches_the_torch_ops_and_a_one_token_block(in_place: bool, torch_ops) -> None:
+    x = make_inputs(B=4, T=1, H=2, K=16, V=16, seed=7)
+    q, k, v, g, beta = (t[:, 0] for t in prepped(x))
+    with torch_ops:
+        o_ref, s_ref = kda_step(q, k, v, g, beta, x["state"].clone())
+    state = x["state"].clone()
+    o, s = kda_step(q, k, v, g, beta, state, in_place)
+    assert max_diff(o, o_ref) < ATOL and max_diff(s, s_ref) < ATOL
+    assert (s.data_ptr() == state.data_ptr()) == in_place
+    o1, s1, _ = kda_steps(*(t[:, None] for t in (q, k, v, g, beta)), x["state"])
+    assert torch.equal(o1[:, 0], o) and torch.equal(s1, s)  # decode and verify take the same arithmetic
+
+
+def test_autograd_batch_invariance_and_other_layouts_keep_the_torch_ops() -> None:
+    x = make_inputs(B=2, T=3, H=2, K=8, V=8)
+    q, state = x["q"], x["state"]
+    assert not kda_kernel.applies(q, state)  # grad mode on
+    with torch.no_grad():
+        assert kda_kernel.applies(q, state)
+        assert not kda_kernel.applies(q, state.transpose(-1, -2))  # not contiguous
+        assert not kda_kernel.applies(q, state.double())
+        with batch_invariant.mode():
+            assert not kda_kernel.applies(q, state)
+
+
+def test_engine_uses_the_kernel_and_gives_the_torch_ops_tokens(tiny_checkpoints, monkeypatch) -> None:
+    calls = []
+    real = kda_kernel.steps
+    monkeypatch.setattr(kda_kernel, "steps", lambda *a: calls.append(a[0].shape) or real(*a))
+    prompts = [[5, 9, 11, 3] * 9, [7, 8] * 30]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(tiny_checkpoints["kimi_k3"]), max_total_tokens=1024)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert any(len(shape) == 3 for shape in calls)  # decode steps ([B, H, K], one token) went through it
+    monkeypatch.setenv(kda_kernel.ENV_SWITCH, "0")
+    calls.clear()
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not calls and got == want
