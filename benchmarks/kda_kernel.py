@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from report import write_result
 
-from kestrel.models.layers import kda_kernel
+from kestrel.models.layers import cpu_kernels
 from kestrel.models.layers.kda_ops import kda_step, kda_steps
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kda_kernel.json"
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if kda_kernel.module() is None:
+    if cpu_kernels.module() is None:
         raise SystemExit("the KDA CPU kernel did not build on this machine (see the warning above)")
     print(f"torch threads: {torch.get_num_threads()}")
     rows = []
@@ -71,10 +71,10 @@ def main() -> None:
         with torch.inference_mode():
             for _ in range(args.repeats):
                 for form, switch in (("torch", "0"), ("kernel", "1")):
-                    os.environ[kda_kernel.ENV_SWITCH] = switch
+                    os.environ[cpu_kernels.ENV_SWITCH] = switch
                     call()
                     times[form].append(per_call_us(call, args.calls))
-        os.environ.pop(kda_kernel.ENV_SWITCH)
+        os.environ.pop(cpu_kernels.ENV_SWITCH)
         torch_us, kernel_us = statistics.median(times["torch"]), statistics.median(times["kernel"])
         rows.append(
             {

@@ -53,11 +53,15 @@ def test_one_token_per_expert_path_is_bit_identical_to_the_grouped_gemm(act):
             assert torch.equal(expert_pairs(*args), expert_segments(*args)), trial
 
 
-def test_experts_module_reuses_its_views_until_the_weights_change():
-    """The batch-1 path reads cached per-expert views; a reload (new storage) or an in-place update is seen."""
+def test_experts_module_reuses_its_views_until_the_weights_change(monkeypatch):
+    """The batch-1 path reads cached per-expert views; a reload (new storage) or an in-place update is seen. (The
+    PyTorch path: with the CPU kernels on, fp32 batch-1 rows take `expert_pairs_kernel`, tests/test_cpu_kernels.py.)"""
     from types import SimpleNamespace
 
+    from kestrel.models.layers import cpu_kernels
     from kestrel.models.layers.moe import Experts
+
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
 
     cfg = SimpleNamespace(num_experts=4, moe_intermediate_size=8, hidden_act="silu", situ_beta=None)
     cfg.situ_linear_beta = None

@@ -42,7 +42,7 @@ from kestrel.engine.stop_rules import stop_reason
 from kestrel.engine.vision_adapter import VISION_ADAPTER, vision_adapter_dir
 from kestrel.engine.weight_sync import reload_weights, restart
 from kestrel.models.builtin import builtin_model_path
-from kestrel.models.layers import kda_kernel
+from kestrel.models.layers import cpu_kernels
 from kestrel.models.loader import load_model
 from kestrel.models.lora import LoRAManager
 from kestrel.models.vision.inputs import image_offsets
@@ -79,8 +79,8 @@ class Engine:
             self.model.batch_invariant = True
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
-        if self.device.type == "cpu" and "kda" in cfg.layer_kinds:
-            kda_kernel.module()  # build (once per machine) or load the compiled KDA loop now, not in a request
+        if self.device.type == "cpu":
+            cpu_kernels.module()  # build (once per machine) or load the compiled CPU kernels now, not in a request
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         # Per rank: DCP shards every page's tokens; pipeline stages hold their layers' pools only (the fullest one
         # bounds the pool every stage allocates).

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.models.layers import batch_invariant
+from kestrel.models.layers import batch_invariant, cpu_kernels
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.constants import fp32_scalar
 from kestrel.models.layers.derived import derived
@@ -21,6 +21,9 @@ from kestrel.models.weight_loaders import expert_loader, set_loader
 
 # In a compiled step, up to this many (token, expert) pairs run as gathered-weight batched matmuls.
 GATHERED_MAX_PAIRS = 16
+# Eager on CPU, up to this many pairs (a decode step of a few requests, a verify block) take the compiled pair kernel;
+# more rows amortise the grouped GEMM's packing and MKL's blocking wins.
+KERNEL_MAX_PAIRS = 16
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -125,11 +128,20 @@ class Experts(HooklessModule):
         args = (x, ids, weights, self.gate_up_proj, self.down_proj, act.kind, act.beta or 0.0, act.linear_beta or 0.0)
         if torch.compiler.is_compiling():
             return torch.ops.kestrel.expert_segments(*args)
+        if ids.numel() <= KERNEL_MAX_PAIRS and self._kernel_applies(x, weights):  # decode / verify sizes
+            return expert_pairs_kernel(x, ids, weights, self.gate_up_proj, self.down_proj, self.act)
         if ids.shape[0] == 1 and not torch.is_grad_enabled():  # batch-1 decode: see expert_pairs
             gate_up = derived(self, "gate_up", self.gate_up_proj, lambda w: w.unbind(0))
             down = derived(self, "down", self.down_proj, lambda w: w.unbind(0))
             return expert_pairs(x, ids, weights, gate_up, down, *args[5:])
         return expert_segments(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
+
+    def _kernel_applies(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        return (
+            cpu_kernels.inference_on_cpu(x)
+            and cpu_kernels.fp32_contiguous(x, weights, self.gate_up_proj, self.down_proj)
+            and cpu_kernels.module() is not None
+        )
 
     def one_expert(self, e: int, xs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Expert e on the rows routed to it (`tokens`: their token indices, for the rows' LoRA adapters)."""
@@ -229,6 +241,24 @@ def expert_pairs(
         y = cast(F.linear(h, down_proj[e]) * columns[j], x.dtype)
         out = y if out is None else out.add_(y)  # the first term as it is: 0 + y is y, bit for bit
     return out
+
+
+def expert_pairs_kernel(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: GatedActivation,
+) -> torch.Tensor:
+    """`expert_segments` for a few pairs through the compiled CPU kernel (`experts_cpu.cpp`): each pair's gate|up and
+    down rows as dot products (no grouped GEMM over idle experts, no sort/scatter ops), the activation in PyTorch,
+    and each token's terms added in ascending expert id from zero (as `expert_pairs`)."""
+    kernels = cpu_kernels.module()
+    ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
+    rows, order = kernels.expert_pairs_up_fp32(x, ids, gate_up_proj)
+    h = act(*rows.chunk(2, dim=-1)).contiguous()
+    return kernels.expert_pairs_down_fp32(h, down_proj, ids, order, weights)
 
 
 def segment_linear(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

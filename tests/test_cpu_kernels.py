@@ -1,4 +1,5 @@
-"""The compiled CPU loop of KDA (`kda_kernel`) against the PyTorch ops it replaces, and its use by the engine."""
+"""Kestrel's compiled CPU kernels (KDA's token loop, small-batch routed experts) against the PyTorch ops they
+replace, and their use by the engine."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import torch
 from test_kda_ops import make_inputs, max_diff, prepped
 
 from kestrel import LLM, SamplingParams
-from kestrel.models.layers import batch_invariant, kda_kernel
+from kestrel.models.layers import batch_invariant, cpu_kernels, kda_kernel, moe
 from kestrel.models.layers.kda_ops import kda_step, kda_steps
+from kestrel.models.layers.moe import expert_pairs_kernel, expert_segments, situ
 
 ATOL = 1e-5
 
@@ -19,16 +21,16 @@ def torch_ops(monkeypatch):
 
     class Switch:
         def __enter__(self):
-            monkeypatch.setenv(kda_kernel.ENV_SWITCH, "0")
+            monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
 
         def __exit__(self, *exc):
-            monkeypatch.delenv(kda_kernel.ENV_SWITCH)
+            monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
 
     return Switch()
 
 
 def test_the_kernel_builds_on_this_machine() -> None:
-    assert kda_kernel.module() is not None
+    assert cpu_kernels.module() is not None
 
 
 @pytest.mark.parametrize("T", [1, 7, 9])
@@ -87,16 +89,41 @@ def test_autograd_batch_invariance_and_other_layouts_keep_the_torch_ops() -> Non
             assert not kda_kernel.applies(q, state)
 
 
-def test_engine_uses_the_kernel_and_gives_the_torch_ops_tokens(tiny_checkpoints, monkeypatch) -> None:
+class _Situ:
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ(gate, up, 4.0, 8.0)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@torch.no_grad()
+def test_expert_pairs_kernel_matches_the_grouped_gemms(tokens: int) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, top_k = 8, 40, 24, 2  # 40: not a multiple of the kernel's 16 lanes
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    want = expert_segments(x, ids, weights, gate_up, down, "situ", 4.0, 8.0)
+    got = expert_pairs_kernel(x, ids, weights, gate_up, down, _Situ())
+    assert max_diff(got, want) < ATOL
+    # a token's terms do not depend on the other tokens of its batch
+    alone = expert_pairs_kernel(x[-1:], ids[-1:], weights[-1:], gate_up, down, _Situ())
+    assert torch.equal(alone, got[-1:])
+
+
+def test_engine_uses_the_kernels_and_gives_the_torch_ops_tokens(tiny_checkpoints, monkeypatch) -> None:
     calls = []
-    real = kda_kernel.steps
-    monkeypatch.setattr(kda_kernel, "steps", lambda *a: calls.append(a[0].shape) or real(*a))
+    real_steps, real_experts = kda_kernel.steps, moe.expert_pairs_kernel
+    monkeypatch.setattr(kda_kernel, "steps", lambda *a: calls.append(("kda", a[0].shape)) or real_steps(*a))
+    monkeypatch.setattr(moe, "expert_pairs_kernel", lambda *a: calls.append(("moe", a[0].shape)) or real_experts(*a))
     prompts = [[5, 9, 11, 3] * 9, [7, 8] * 30]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_checkpoints["kimi_k3"]), max_total_tokens=1024)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert any(len(shape) == 3 for shape in calls)  # decode steps ([B, H, K], one token) went through it
-    monkeypatch.setenv(kda_kernel.ENV_SWITCH, "0")
+    assert any(kind == "kda" and len(shape) == 3 for kind, shape in calls)  # decode steps: [B, H, K], one token
+    assert any(kind == "moe" and shape[0] == 2 for kind, shape in calls)  # the two requests' decode rows
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     calls.clear()
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls and got == want
