@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kda_layer import _layer, _States
 from test_kda_ops import make_inputs, max_diff, prepped
 
 from kestrel import LLM, SamplingParams
+from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers import batch_invariant, cpu_kernels, kda_kernel, moe
+from kestrel.models.layers.kda import CHUNK_SIZE
 from kestrel.models.layers.kda_ops import kda_step, kda_steps
 from kestrel.models.layers.moe import expert_pairs_kernel, expert_segments, situ
 
@@ -75,6 +78,45 @@ def test_decode_step_matches_the_torch_ops_and_a_one_token_block(in_place: bool,
     assert (s.data_ptr() == state.data_ptr()) == in_place
     o1, s1, _ = kda_steps(*(t[:, None] for t in (q, k, v, g, beta)), x["state"])
     assert torch.equal(o1[:, 0], o) and torch.equal(s1, s)  # decode and verify take the same arithmetic
+
+
+@pytest.mark.parametrize(
+    "lens, snapshots",
+    [
+        ([100, 7, 70], [[64], [], [16, 64]]),  # long prompts (the chunked form without the kernel) + checkpoints
+        ([3, 40], [[3], [32, 40]]),  # snapshots at a sequence's last token: a repeated segment end
+    ],
+)
+def test_packed_prefill_through_the_kernel_matches_the_torch_forms(lens, snapshots, torch_ops) -> None:
+    layer = _layer()
+    gen = torch.Generator().manual_seed(sum(lens))
+    rows, b = sum(lens), len(lens)
+    x = torch.randn(rows, layer.in_proj.in_features, generator=gen)
+    conv0 = torch.randn(b, layer.conv_dim, layer.kernel - 1, generator=gen)
+    rec0 = torch.randn(b, layer.n_heads, layer.head_dim, layer.head_dim, generator=gen) * 0.1
+    batch = ForwardBatch(
+        input_ids=torch.zeros(rows, dtype=torch.long),
+        positions=torch.arange(rows),
+        extend_lens=lens,
+        prefix_lens=[5] * b,
+        state_snapshots=snapshots,
+    )
+    layout = batch.packed_prefill(CHUNK_SIZE, layer.kernel - 1)
+    with torch.inference_mode():
+        mixed, g, beta, _ = layer.project(x)
+        with torch_ops:
+            want_cache = _States(conv0, rec0)
+            want = layer.prefill_packed(mixed, g, beta, layout, conv0, rec0, want_cache)
+        got_cache = _States(conv0, rec0)
+        got = layer.prefill_packed(mixed, g, beta, layout, conv0, rec0, got_cache)
+    for a, w in zip(got, want):  # the chunked form sums in another order over 100 tokens: fp32 tolerance
+        torch.testing.assert_close(a, w, atol=1e-4, rtol=1e-4)
+    assert got_cache.snapshots.keys() == want_cache.snapshots.keys() and len(got_cache.snapshots) == sum(
+        map(len, snapshots)
+    )
+    for key, (c, r) in want_cache.snapshots.items():
+        assert torch.equal(got_cache.snapshots[key][0], c)
+        torch.testing.assert_close(got_cache.snapshots[key][1], r, atol=1e-4, rtol=1e-4)
 
 
 def test_autograd_batch_invariance_and_other_layouts_keep_the_torch_ops() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, SequenceStates
-from kestrel.models.layers import batch_invariant
+from kestrel.models.layers import batch_invariant, kda_kernel
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.constants import fp32_scalar
 from kestrel.models.layers.derived import derived
@@ -162,8 +162,14 @@ class KDAAttention(HooklessModule):
         x[packed.conv_token_rows] = mixed
         x[packed.conv_history_rows] = conv_state.to(mixed.dtype).transpose(1, 2).reshape(-1, dim)
         q, k, v = self.packed_qkv(x, packed)
+        if kda_kernel.applies(q, rec_state):  # the compiled token loop, no padding (faster than the chunked form)
+            finals = packed.final_segments.tolist()
+            lens = [packed.segment_last_token[i] + 1 for i in finals]
+            o, states = kda_kernel.varlen(
+                q, k, v, g, beta, rec_state, lens, packed.segment_seq, packed.segment_last_token
+            )
         # Batch-invariant mode: the recurrent form everywhere, so a token's state update is the decode step's.
-        if packed.padded_width <= RECURRENT_MAX_TOKENS or batch_invariant.active():
+        elif packed.padded_width <= RECURRENT_MAX_TOKENS or batch_invariant.active():
             o, states = self._short_recurrent(q, k, v, g, beta, packed, rec_state)
         else:
 

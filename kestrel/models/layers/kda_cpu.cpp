@@ -1,15 +1,76 @@
-// KDA's token-by-token delta rule (decode steps, verify blocks, short prefills) for fp32 CPU tensors.
+// KDA's token-by-token delta rule (decode steps, verify blocks, prefills) for fp32 CPU tensors.
 //
 // Per (sequence, head) the [K, V] state stays in cache while T tokens go through it, each token being
 //   e = exp(g_t); recall of k and q by the decayed state: rk = (k*e)^T S, rq = (q*e)^T S (one pass over S);
 //   delta = (v_t - rk) * beta_t; o_t = rq + (q.k) delta; S <- e*S + k delta^T.
-// The arithmetic of kestrel.models.layers.kda_ops.kda_steps, written as loops instead of five ATen ops a token.
+// The arithmetic of kestrel.models.layers.kda_ops.kda_steps, written as loops instead of five ATen ops a token. With
+// the state in L1/L2 this recurrent form also beats the chunked WY form on CPU for long prefills (4x at K = V = 64,
+// 2.4x at 128: benchmarks/kda_kernel.py), so prefills take it too.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <vector>
+
+namespace {
+
+// Scratch of one worker: e = exp(g_t), the recalls of k and q, and delta.
+struct Scratch {
+  std::vector<float> e, rk, rq, delta;
+  Scratch(int64_t K, int64_t V) : e(K), rk(V), rq(V), delta(V) {}
+};
+
+// One token through one head's state S [K, V] (in place); writes o_t [V].
+inline void kda_token(float* S, const float* qt, const float* kt, const float* gt, const float* vt, float bt,
+                      float* ot, int64_t K, int64_t V, Scratch& w) {
+  float qk = 0.f;
+  for (int64_t i = 0; i < K; ++i) {
+    w.e[i] = std::exp(gt[i]);
+    qk += qt[i] * kt[i];
+  }
+  std::fill(w.rk.begin(), w.rk.end(), 0.f);
+  std::fill(w.rq.begin(), w.rq.end(), 0.f);
+  for (int64_t i = 0; i < K; ++i) {
+    const float a = kt[i] * w.e[i], c = qt[i] * w.e[i];
+    const float* s = S + i * V;
+    for (int64_t j = 0; j < V; ++j) {
+      w.rk[j] += a * s[j];
+      w.rq[j] += c * s[j];
+    }
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    w.delta[j] = (vt[j] - w.rk[j]) * bt;
+    ot[j] = w.rq[j] + qk * w.delta[j];
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    const float d = w.e[i], kk = kt[i];
+    float* s = S + i * V;
+    for (int64_t j = 0; j < V; ++j) s[j] = s[j] * d + kk * w.delta[j];
+  }
+}
+
+// Runs fn(begin, end) over [0, n) on up to at::get_num_threads() threads (this one included) when the work is
+// large enough to pay for starting them (a prefill), else inline (a decode step or a verify block).
+template <typename F>
+void split(int64_t n, int64_t work, const F& fn) {
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  if (threads <= 1 || work < (int64_t(1) << 22)) {
+    fn(0, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t per = (n + threads - 1) / threads;
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t b = t * per, e = std::min(n, b + per);
+    if (b < e) pool.emplace_back([&fn, b, e] { fn(b, e); });
+  }
+  fn(0, std::min(n, per));
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
 
 // q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; state: [B, H, K, V]; all fp32 and contiguous. One token
 // may also come without its T dimension (q, k, g: [B, H, K], v: [B, H, V], beta: [B, H]; o: [B, H, V]).
@@ -31,42 +92,62 @@ at::Tensor kda_steps_fp32(const at::Tensor& q, const at::Tensor& k, const at::Te
   for (const auto& t : keep_out) kept.push_back(t.data_ptr<float>());
   const int64_t KV = K * V;
   if (fp != sp) std::memcpy(fp, sp, sizeof(float) * B * H * KV);  // then every update happens in final_out
-  std::vector<float> e(K), rk(V), rq(V), delta(V);
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t b = bh / H, h = bh % H;
-    float* S = fp + bh * KV;
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t row = (b * T + t) * H + h;
-      const float *qt = qp + row * K, *kt = kp + row * K, *gt = gp + row * K, *vt = vp + row * V;
-      const float bt = bp[row];
-      float qk = 0.f;
-      for (int64_t i = 0; i < K; ++i) {
-        e[i] = std::exp(gt[i]);
-        qk += qt[i] * kt[i];
+  split(B * H, B * H * T * KV, [&](int64_t begin, int64_t end) {
+    Scratch w(K, V);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float* S = fp + bh * KV;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t row = (b * T + t) * H + h;
+        kda_token(S, qp + row * K, kp + row * K, gp + row * K, vp + row * V, bp[row], op + row * V, K, V, w);
+        for (size_t n = 0; n < keep_t.size(); ++n)
+          if (keep_t[n] == t) std::memcpy(kept[n] + bh * KV, S, sizeof(float) * KV);
       }
-      std::fill(rk.begin(), rk.end(), 0.f);
-      std::fill(rq.begin(), rq.end(), 0.f);
-      for (int64_t i = 0; i < K; ++i) {
-        const float a = kt[i] * e[i], c = qt[i] * e[i];
-        const float* s = S + i * V;
-        for (int64_t j = 0; j < V; ++j) {
-          rk[j] += a * s[j];
-          rq[j] += c * s[j];
+    }
+  });
+  return o;
+}
+
+// Prefill of several sequences packed end to end (no padding): q, k, g: [N, H, K]; v: [N, H, V]; beta: [N, H];
+// sequence s owns rows starts[s] .. starts[s + 1) and starts from states[s] ([S, H, K, V]). Segment i of
+// sequence seg_seq[i] ends after its row seg_row[i] (absolute; starts[seq] - 1 for an empty one at the start): the
+// state there goes to out_states[i]. Returns o [N, H, V].
+at::Tensor kda_varlen_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                           const at::Tensor& beta, const at::Tensor& states, const std::vector<int64_t>& starts,
+                           const std::vector<int64_t>& seg_seq, const std::vector<int64_t>& seg_row,
+                           const at::Tensor& out_states) {
+  const int64_t N = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), S = states.size(0);
+  TORCH_CHECK(int64_t(starts.size()) == S + 1, "kda_varlen_fp32: starts must have one entry per sequence + 1");
+  TORCH_CHECK(seg_seq.size() == seg_row.size(), "kda_varlen_fp32: seg_seq and seg_row differ in length");
+  auto o = at::empty({N, H, V}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>(), *sp = states.data_ptr<float>();
+  float *op = o.data_ptr<float>(), *xp = out_states.data_ptr<float>();
+  const int64_t KV = K * V;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> ends(S);  // per sequence: (row, segment), in order
+  for (size_t i = 0; i < seg_seq.size(); ++i) ends[seg_seq[i]].emplace_back(seg_row[i], int64_t(i));
+  split(S * H, N * H * KV, [&](int64_t begin, int64_t end) {
+    Scratch w(K, V);
+    std::vector<float> state(KV);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const int64_t s = sh / H, h = sh % H;
+      float* St = state.data();
+      std::memcpy(St, sp + sh * KV, sizeof(float) * KV);
+      size_t next = 0;
+      const auto& mine = ends[s];
+      while (next < mine.size() && mine[next].first < starts[s]) {  // empty segments before the first row
+        std::memcpy(xp + (mine[next].second * H + h) * KV, St, sizeof(float) * KV);
+        ++next;
+      }
+      for (int64_t row = starts[s]; row < starts[s + 1]; ++row) {
+        const int64_t r = row * H + h;
+        kda_token(St, qp + r * K, kp + r * K, gp + r * K, vp + r * V, bp[r], op + r * V, K, V, w);
+        while (next < mine.size() && mine[next].first == row) {
+          std::memcpy(xp + (mine[next].second * H + h) * KV, St, sizeof(float) * KV);
+          ++next;
         }
       }
-      float* ot = op + row * V;
-      for (int64_t j = 0; j < V; ++j) {
-        delta[j] = (vt[j] - rk[j]) * bt;
-        ot[j] = rq[j] + qk * delta[j];
-      }
-      for (int64_t i = 0; i < K; ++i) {
-        const float d = e[i], kk = kt[i];
-        float* s = S + i * V;
-        for (int64_t j = 0; j < V; ++j) s[j] = s[j] * d + kk * delta[j];
-      }
-      for (size_t n = 0; n < keep_t.size(); ++n)
-        if (keep_t[n] == t) std::memcpy(kept[n] + bh * KV, S, sizeof(float) * KV);
     }
-  }
+  });
   return o;
 }

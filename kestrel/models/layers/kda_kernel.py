@@ -42,3 +42,28 @@ def steps(
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+
+
+def varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    lens: list[int],
+    segment_seq: list[int],
+    segment_last_token: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill of several sequences packed end to end (q, k, g [N, H, K], v [N, H, V], beta [N, H]; sequence s has
+    lens[s] rows and starts from states[s]) -> (outputs [N, H, V], the state after each segment [segments, H, K, V]),
+    segment i ending at offset segment_last_token[i] of sequence segment_seq[i] (-1: before its first token). Call
+    only where `applies(q, states)` said yes."""
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    rows = [starts[s] + last for s, last in zip(segment_seq, segment_last_token)]
+    out = states.new_empty(len(rows), *states.shape[1:])
+    q, k, v, g, beta = (_fp32(x) for x in (q, k, v, g, beta))
+    o = cpu_kernels.module().kda_varlen_fp32(q, k, v, g, beta, states, starts, list(segment_seq), rows, out)
+    return o, out
