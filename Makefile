@@ -3,8 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kestrel-installed
 
-# Shared libraries the Mooncake transfer engine (the `pd` extra) loads; librdmacm1 for its RDMA transport.
-SYSTEM_LIBS := libibverbs1 librdmacm1 libnuma1 libcurl4
+# Shared libraries the Mooncake transfer engine (the `pd` extra) loads; librdmacm1 for its RDMA transport. g++: the
+# compiler torch.utils.cpp_extension builds Kestrel's CPU kernels with (kestrel/models/layers/*_cpu.cpp).
+SYSTEM_LIBS := libibverbs1 librdmacm1 libnuma1 libcurl4 g++
 
 .PHONY: setup system-libs test lint serve clean
 
@@ -16,7 +17,7 @@ system-libs:
 	missing=$$(for p in $(SYSTEM_LIBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		echo "installing $$missing (for the Mooncake transfer engine)"; \
+		echo "installing $$missing (the Mooncake transfer engine's libraries, the kernels' compiler)"; \
 		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 

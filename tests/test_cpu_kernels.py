@@ -119,6 +119,22 @@ def test_packed_prefill_through_the_kernel_matches_the_torch_forms(lens, snapsho
         torch.testing.assert_close(got_cache.snapshots[key][1], r, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_a_large_call_split_over_threads_gives_the_same_bits() -> None:
+    """Work above the kernel's threshold runs on torch's thread count; each (sequence, head) is still one loop."""
+    x = make_inputs(B=8, T=64, H=4, K=32, V=32, seed=11)
+    q, k, v, g, beta = prepped(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        o1, s1, _ = kda_steps(q, k, v, g, beta, x["state"])
+        torch.set_num_threads(2)
+        o2, s2, _ = kda_steps(q, k, v, g, beta, x["state"])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
 def test_autograd_batch_invariance_and_other_layouts_keep_the_torch_ops() -> None:
     x = make_inputs(B=2, T=3, H=2, K=8, V=8)
     q, state = x["q"], x["state"]

@@ -56,7 +56,7 @@ inline void kda_token(float* S, const float* qt, const float* kt, const float* g
 template <typename F>
 void split(int64_t n, int64_t work, const F& fn) {
   const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
-  if (threads <= 1 || work < (int64_t(1) << 22)) {
+  if (threads <= 1 || work < (int64_t(1) << 19)) {  // ~100 us of work: a thread start costs ~20-40 us
     fn(0, n);
     return;
   }
