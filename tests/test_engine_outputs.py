@@ -97,6 +97,28 @@ def test_state_checkpoints_take_their_memory_share_of_the_kv_pool(tiny_checkpoin
     assert (slots - reserved) * slot_bytes == pytest.approx(0.25 * kv_bytes, rel=0.01)
 
 
+def test_the_dflash_context_pool_is_counted_in_the_kv_budget(monkeypatch):
+    """With DFlash and a prefix cache every KV slot also holds a draft context row: the pages a memory budget buys
+    shrink by exactly that row, and the pool the speculator builds is that many rows of that size."""
+    from kestrel.engine import capacity
+    from kestrel.engine.config import EngineConfig
+    from kestrel.spec.context_pool import bytes_per_slot
+
+    budget, kv = 64 << 20, 896
+    monkeypatch.setattr(capacity, "free_memory_bytes", lambda device: budget)
+    engine = LLM(None, max_total_tokens=4096, speculative_algorithm="dflash").engine
+    cfg, cpu = engine.model_config, torch.device("cpu")
+    row = bytes_per_slot(cfg.hidden_size, torch.float32)
+    assert row == 256 * 4 + 16
+    assert engine.spec.context_pool.nbytes == engine.runner.kv_slots * row
+
+    def pages(**kw) -> int:
+        return capacity.num_kv_pages(EngineConfig(mem_fraction=1.0, **kw), cfg, cpu, kv, 0, 1 << 20)
+
+    assert pages(speculative_algorithm="dflash") == pytest.approx(pages() * kv / (kv + row), rel=0.01)
+    assert pages(speculative_algorithm="dflash", enable_prefix_caching=False) == pages()  # no pool without a cache
+
+
 def test_state_checkpoint_memory_ratio_must_not_be_negative():
     from kestrel.config import ConfigError
     from kestrel.engine.config import EngineConfig

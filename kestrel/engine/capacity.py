@@ -15,6 +15,7 @@ from kestrel.cache.records import record_bytes_per_token
 from kestrel.cache.state_pool import state_bytes_per_slot
 from kestrel.config import ModelConfig
 from kestrel.engine.config import EngineConfig
+from kestrel.spec import context_pool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,11 +100,16 @@ def num_kv_pages(
     share: float = 1.0,
 ) -> int:
     """KV pages: `max_total_tokens`, or `share` of what `mem_fraction` of free memory holds after `state_bytes` of
-    state slots, capped at every running request filling the context."""
+    state slots, capped at every running request filling the context. A token's bytes are its KV, its rollout records
+    (host memory) and, with DFlash and a prefix cache, its draft context row."""
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     else:
         per_token = max(kv_bytes_per_token, 1)
+        if config.speculative_algorithm == "dflash" and config.enable_prefix_caching:
+            # the draft's context row kept beside every KV slot (kestrel/spec/context_pool.py); the draft is as wide
+            # as the target and in its dtype
+            per_token += context_pool.bytes_per_slot(cfg.hidden_size, DTYPES[config.dtype])
         if device.type == "cpu":  # rollout records live in host memory, which is this device's
             per_token += record_bytes_per_token(
                 cfg, config.enable_return_routed_experts, config.enable_return_indexer_topk

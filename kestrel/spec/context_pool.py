@@ -18,6 +18,11 @@ from __future__ import annotations
 import torch
 
 
+def bytes_per_slot(width: int, dtype: torch.dtype) -> int:
+    """One row: `width` features in the draft's dtype and the (token id, position) key (the KV budget counts it)."""
+    return width * dtype.itemsize + 2 * torch.long.itemsize
+
+
 class DraftContextPool:
     """feats [slots, d] (the draft's dtype) and key [slots, 2] = (token id, position), -1 where nothing was written."""
 
