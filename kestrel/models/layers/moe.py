@@ -22,8 +22,11 @@ from kestrel.models.weight_loaders import expert_loader, set_loader
 # In a compiled step, up to this many (token, expert) pairs run as gathered-weight batched matmuls.
 GATHERED_MAX_PAIRS = 16
 # Eager on CPU, up to this many pairs (a decode step of a few requests, a verify block) take the compiled pair kernel;
-# more rows amortise the grouped GEMM's packing and MKL's blocking wins.
+# more rows amortise the grouped GEMM's packing and MKL's blocking wins. The kernel runs on one thread: with more,
+# only calls of at most KERNEL_THREADED_MAX_MACS multiply-adds take it (kimi_linear small's batch-1 step, 590K, was
+# 0.75 ms slower on 2 threads through the kernel than through MKL; kestrel-mini's, 98K, 0.13 ms faster).
 KERNEL_MAX_PAIRS = 16
+KERNEL_THREADED_MAX_MACS = 300_000
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -128,7 +131,7 @@ class Experts(HooklessModule):
         args = (x, ids, weights, self.gate_up_proj, self.down_proj, act.kind, act.beta or 0.0, act.linear_beta or 0.0)
         if torch.compiler.is_compiling():
             return torch.ops.kestrel.expert_segments(*args)
-        if ids.numel() <= KERNEL_MAX_PAIRS and self._kernel_applies(x, weights):  # decode / verify sizes
+        if self._kernel_applies(x, ids, weights):  # decode / verify sizes
             return expert_pairs_kernel(x, ids, weights, self.gate_up_proj, self.down_proj, self.act)
         if ids.shape[0] == 1 and not torch.is_grad_enabled():  # batch-1 decode: see expert_pairs
             gate_up = derived(self, "gate_up", self.gate_up_proj, lambda w: w.unbind(0))
@@ -136,7 +139,13 @@ class Experts(HooklessModule):
             return expert_pairs(x, ids, weights, gate_up, down, *args[5:])
         return expert_segments(*args)  # eager: skip the op's dispatch (tens of microseconds a call)
 
-    def _kernel_applies(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+    def _kernel_applies(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
+        if ids.numel() > KERNEL_MAX_PAIRS:
+            return False
+        if torch.get_num_threads() > 1:
+            per_pair = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
+            if ids.numel() * per_pair > KERNEL_THREADED_MAX_MACS:
+                return False
         return (
             cpu_kernels.inference_on_cpu(x)
             and cpu_kernels.fp32_contiguous(x, weights, self.gate_up_proj, self.down_proj)
