@@ -1,6 +1,6 @@
 """KDA on CPU: the PyTorch forms vs the compiled token loop (`kestrel/models/layers/kda_kernel.py`), one run.
 
-Shapes of kestrel-mini's KDA layers (4 heads, K = V = 64): a decode step at batch 1 and 32 and verify blocks of 7
+Shapes of kestrel-mini's KDA layers (4 heads, K = V = 64): an in-place decode step at batch 1 and 32, verify blocks of 7
 tokens at batch 1 and 4 (PyTorch: the token loop of ATen ops), and prefills of 512 / 2,048 tokens (PyTorch: the
 chunked WY form, `kda_chunked`), also at K = V = 128. Both forms alternate inside every repeat; the figure is the
 median microseconds a call and the ratio torch / kernel.
@@ -47,7 +47,7 @@ def make_call(q, k, v, g, beta, state):
         return prefill
     if q.shape[1] == 1:
         one = [x[:, 0].contiguous() for x in (q, k, v, g, beta)]
-        return lambda: kda_step(*one, state)
+        return lambda: kda_step(*one, state, in_place=True)  # the engine's decode step: states updated in the pool
     return lambda: kda_steps(q, k, v, g, beta, state)
 
 

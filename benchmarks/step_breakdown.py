@@ -65,14 +65,16 @@ TOP_LEVEL = ("kda", "mla", "moe", "spec.propose", "spec.commit")  # disjoint: "o
 
 
 def instrument(clock: ComponentClock) -> None:
-    from kestrel.models.layers import kda, mla, moe
+    from kestrel.models.layers import kda, kda_kernel, mla, moe
     from kestrel.spec import speculator
 
     for owner, name, label in [
         (kda.KDAAttention, "forward", "kda"),
         (kda.KDAAttention, "project", "kda.project"),
-        (kda.KDAAttention, "packed_qkv", "kda.conv_qkv (packed)"),
-        (kda, "kda_chunked_packed", "kda.chunked_kernel"),
+        (kda.KDAAttention, "prefill_packed", "kda.prefill"),
+        (kda.KDAAttention, "packed_qkv", "kda.prefill.conv_qkv"),
+        (kda, "kda_chunked_packed", "kda.prefill.chunked_form"),
+        (kda_kernel, "varlen", "kda.prefill.kernel_loop"),
         (kda.KDAAttention, "short_segments", "kda.short_segments"),
         (kda.KDAAttention, "decode", "kda.decode_step"),
         (kda.KDAAttention, "_output", "kda.output"),
@@ -139,8 +141,8 @@ def throughput(args, clock: ComponentClock) -> dict:
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
     steps = run_steps(engine, clock)
-    prefill = summarise("prefill steps (any prompt token)", steps, lambda s: "kda.chunked_kernel" in s[1])
-    decode = summarise("decode steps", steps, lambda s: "kda.chunked_kernel" not in s[1])
+    prefill = summarise("prefill steps (any prompt token)", steps, lambda s: "kda.prefill" in s[1])
+    decode = summarise("decode steps", steps, lambda s: "kda.prefill" not in s[1])
     total = sum(s[0] for s in steps)
     print(f"total {total:.2f} s, {len(prompts) * args.new_tokens / total:.1f} output tok/s")
     return {"model": path, "prefill": prefill, "decode": decode, "total_s": total}

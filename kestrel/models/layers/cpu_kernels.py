@@ -53,7 +53,8 @@ def _build() -> ModuleType | None:
             "kestrel_cpu_kernels",
             cpp_sources=[path.read_text() for path in SOURCES],
             functions=FUNCTIONS,
-            extra_cflags=["-O3", "-march=native"],
+            # -fopenmp: at::parallel_for's inline OpenMP region (torch's own libgomp serves it at run time)
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
         )
     except Exception as exc:  # no compiler or ninja: the PyTorch ops serve instead
         log.warning("Kestrel CPU kernels unavailable (%s: %s); using the PyTorch ops", type(exc).__name__, exc)

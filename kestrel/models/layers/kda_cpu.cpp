@@ -6,12 +6,12 @@
 // The arithmetic of kestrel.models.layers.kda_ops.kda_steps, written as loops instead of five ATen ops a token. With
 // the state in L1/L2 this recurrent form also beats the chunked WY form on CPU for long prefills (4x at K = V = 64,
 // 2.4x at 128: benchmarks/kda_kernel.py), so prefills take it too.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -51,23 +51,16 @@ inline void kda_token(float* S, const float* qt, const float* kt, const float* g
   }
 }
 
-// Runs fn(begin, end) over [0, n) on up to at::get_num_threads() threads (this one included) when the work is
-// large enough to pay for starting them (a prefill), else inline (a decode step or a verify block).
+// Runs fn(begin, end) over [0, n) on torch's intra-op threads (at::parallel_for: its OpenMP pool, no threads of our
+// own to fight its spinning workers) when the work pays for a parallel region (a prefill, a large decode batch), else
+// inline (a decode step or verify block of a few sequences).
 template <typename F>
 void split(int64_t n, int64_t work, const F& fn) {
-  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
-  if (threads <= 1 || work < (int64_t(1) << 19)) {  // ~100 us of work: a thread start costs ~20-40 us
+  if (work < (int64_t(1) << 19)) {
     fn(0, n);
     return;
   }
-  std::vector<std::thread> pool;
-  const int64_t per = (n + threads - 1) / threads;
-  for (int64_t t = 1; t < threads; ++t) {
-    const int64_t b = t * per, e = std::min(n, b + per);
-    if (b < e) pool.emplace_back([&fn, b, e] { fn(b, e); });
-  }
-  fn(0, std::min(n, per));
-  for (auto& th : pool) th.join();
+  at::parallel_for(0, n, 1, fn);
 }
 
 }  // namespace
