@@ -101,7 +101,8 @@ def test_replay_from_committed_states_equals_the_prefix_alone():
         (4, None),  # ReplaySSM's verify block, or a short prompt without checkpoints
     ],
 )
-def test_segment_in_place_writes_what_short_segments_returns(n, snapshots):
+@pytest.mark.parametrize("pool_write", [False, True], ids=["views", "pool"])
+def test_segment_in_place_writes_what_short_segments_returns(n, snapshots, pool_write):
     """One sequence's segment read from and written to its pool slots (the concurrency-1 verify path) leaves the
     slots bit for bit where the gather/stack/scatter form puts them; the slot it reads is also where it stores."""
     layer = _layer()
@@ -117,6 +118,8 @@ def test_segment_in_place_writes_what_short_segments_returns(n, snapshots):
         conv_pool.narrow(0, 0, 1),
         rec_pool.narrow(0, 0, 1),
         [(conv_pool.narrow(0, s, 1), rec_pool.narrow(0, s, 1)) for s in range(2, slots)],
+        conv_pool if pool_write else None,  # the snapshots' conv states in one index_copy_ (the runner's way)
+        torch.arange(2, slots) if pool_write else None,
     )
     with torch.inference_mode():
         mixed, g, beta, _ = layer.project(x)

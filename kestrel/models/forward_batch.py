@@ -73,6 +73,10 @@ class SequenceStates:
     final_conv: torch.Tensor
     final_recurrent: torch.Tensor
     snapshots: list[tuple[torch.Tensor, torch.Tensor]]
+    # The layer's conv pool and the snapshot slots [S] (long): all snapshot conv states in one `index_copy_` instead
+    # of a copy per snapshot view. None: the views only.
+    conv_pool: torch.Tensor | None = None
+    snapshot_slots: torch.Tensor | None = None
 
 
 class Replay(Protocol):

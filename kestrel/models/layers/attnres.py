@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kestrel.models.layers import batch_invariant
+from kestrel.models.layers.norm import rms_norm_fp32
 
 
 def attn_res_mix(
@@ -17,8 +17,10 @@ def attn_res_mix(
     """
     candidates = torch.stack([*bank, partial]).float()  # [N, T, D]
     query = norm_weight.float() * proj_weight.float().reshape(-1)
-    # rms(c) ⊙ query in one fused op (F.rms_norm scales by its weight after normalising), then the dot product.
-    logits = F.rms_norm(candidates, (candidates.shape[-1],), query, eps).sum(-1)  # [N, T]
+    # rms(c) ⊙ query (the norm scales by its weight after normalising), then the dot product.
+    logits = rms_norm_fp32(candidates, query, eps).sum(-1)  # [N, T]
     if batch_invariant.active():  # softmax along each token's own row, then the candidates added in order
         return batch_invariant.mix(torch.softmax(logits.t().contiguous(), dim=-1).t(), candidates).to(partial.dtype)
-    return torch.einsum("nt,ntd->td", torch.softmax(logits, dim=0), candidates).to(partial.dtype)
+    # Weighted candidates summed over N elementwise: the einsum's batched matmul (T matrices of 1 x N) cost 25 us at
+    # T = 7 against 8 us (11 vs 6 at T = 1, where both give the same bits).
+    return (torch.softmax(logits, dim=0).unsqueeze(-1) * candidates).sum(0).to(partial.dtype)

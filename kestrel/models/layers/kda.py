@@ -315,8 +315,13 @@ class KDAAttention(HooklessModule):
         o, _, _ = kda_steps(q, k, v, g[None], beta[None], states.recurrent, out=into)
         for dst, t in copies:
             dst.copy_(into[t])
-        for m, (conv, _) in zip(offsets, states.snapshots):
-            conv.copy_(x[:, m : m + keep].transpose(1, 2))
+        if offsets and states.snapshot_slots is not None:  # window m of the run is the conv state after m tokens
+            at = torch.tensor(offsets, dtype=torch.long, device=x.device)
+            windows = x[0].unfold(0, keep, 1).index_select(0, at)  # [S, 3C, keep]
+            states.conv_pool.index_copy_(0, states.snapshot_slots, windows.to(states.conv_pool.dtype))
+        else:
+            for m, (conv, _) in zip(offsets, states.snapshots):
+                conv.copy_(x[:, m : m + keep].transpose(1, 2))
         states.final_conv.copy_(x[:, n : n + keep].transpose(1, 2))
         return o[0]
 
