@@ -11,6 +11,7 @@ import torch
 from kestrel.config import model_config_from_dict
 from kestrel.models.builtin import EMBEDDED_DIR
 from kestrel.models.forward_batch import ForwardBatch, SequenceStates
+from kestrel.models.layers import cpu_kernels
 from kestrel.models.layers.kda import CHUNK_SIZE, KDAAttention
 
 
@@ -101,8 +102,8 @@ def test_replay_from_committed_states_equals_the_prefix_alone():
         (4, None),  # ReplaySSM's verify block, or a short prompt without checkpoints
     ],
 )
-@pytest.mark.parametrize("pool_write", [False, True], ids=["views", "pool"])
-def test_segment_in_place_writes_what_short_segments_returns(n, snapshots, pool_write):
+@pytest.mark.parametrize("kernels", ["0", "1"], ids=["torch", "compiled"])
+def test_segment_in_place_writes_what_short_segments_returns(n, snapshots, kernels, monkeypatch):
     """One sequence's segment read from and written to its pool slots (the concurrency-1 verify path) leaves the
     slots bit for bit where the gather/stack/scatter form puts them; the slot it reads is also where it stores."""
     layer = _layer()
@@ -112,15 +113,8 @@ def test_segment_in_place_writes_what_short_segments_returns(n, snapshots, pool_
     conv_pool = torch.randn(slots, layer.conv_dim, layer.kernel - 1, generator=gen)
     rec_pool = torch.randn(slots, layer.n_heads, layer.head_dim, layer.head_dim, generator=gen) * 0.1
     conv0, rec0 = conv_pool[:1].clone(), rec_pool[:1].clone()
-    states = SequenceStates(
-        conv_pool.narrow(0, 0, 1),
-        rec_pool.narrow(0, 0, 1),
-        conv_pool.narrow(0, 0, 1),
-        rec_pool.narrow(0, 0, 1),
-        [(conv_pool.narrow(0, s, 1), rec_pool.narrow(0, s, 1)) for s in range(2, slots)],
-        conv_pool if pool_write else None,  # the snapshots' conv states in one index_copy_ (the runner's way)
-        torch.arange(2, slots) if pool_write else None,
-    )
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, kernels)
+    states = SequenceStates(conv_pool, rec_pool, 0, 0, list(range(2, slots)))
     with torch.inference_mode():
         mixed, g, beta, _ = layer.project(x)
         want = _States(conv0, rec0)
@@ -128,8 +122,11 @@ def test_segment_in_place_writes_what_short_segments_returns(n, snapshots, pool_
             mixed, g, beta, [n], conv0, rec0, [snapshots] if snapshots else None, want
         )
         o = layer.segment_in_place(mixed, g, beta, states, snapshots)
-    assert torch.equal(o, o_s)
-    assert torch.equal(conv_pool[0], conv_s[0]) and torch.equal(rec_pool[0], rec_s[0])
+    # The PyTorch form is the same ops bit for bit; the compiled segment (conv, SiLU, norms and the delta rule in one
+    # loop) rounds its own way. The conv states are copies of the inputs either way.
+    same = torch.equal if kernels == "0" else lambda a, b: torch.allclose(a, b, atol=2e-5, rtol=1e-4)
+    assert same(o, o_s)
+    assert torch.equal(conv_pool[0], conv_s[0]) and same(rec_pool[0], rec_s[0])
     for index in range(len(snapshots or ())):
         c, r = want.snapshots[(0, index)]
-        assert torch.equal(conv_pool[2 + index], c) and torch.equal(rec_pool[2 + index], r)
+        assert torch.equal(conv_pool[2 + index], c) and same(rec_pool[2 + index], r)

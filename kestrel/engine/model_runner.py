@@ -52,7 +52,6 @@ class PagedCacheView:
         self.state_range = state_range
         # (state slot, store slot) of a one-sequence batch.
         self.single_slots = single_slots
-        self._snapshot_slots_t: torch.Tensor | None = None
         # [D, L_max] for the decode rows; positions past a row's length are padding, masked by the layers.
         self.decode_slots = slot_table[:num_decode, : max(history_list[:num_decode], default=0)]
 
@@ -95,19 +94,8 @@ class PagedCacheView:
         ids would be baked into the graph)."""
         if torch.compiler.is_compiling() or self.single_slots is None or self.states is None:
             return None
-        conv, recurrent = self.states.conv[layer], self.states.recurrent[layer]
         (slot, store), snaps = self.single_slots, self.snapshot_slots[0] if self.snapshot_slots else []
-        if snaps and self._snapshot_slots_t is None:  # once per step, shared by every layer
-            self._snapshot_slots_t = torch.tensor(snaps, dtype=torch.long, device=conv.device)
-        return SequenceStates(
-            conv.narrow(0, slot, 1),
-            recurrent.narrow(0, slot, 1),
-            conv.narrow(0, store, 1),
-            recurrent.narrow(0, store, 1),
-            [(conv.narrow(0, s, 1), recurrent.narrow(0, s, 1)) for s in snaps],
-            conv,
-            self._snapshot_slots_t,
-        )
+        return SequenceStates(self.states.conv[layer], self.states.recurrent[layer], slot, store, snaps)
 
     def store_state(self, layer, conv_state, recurrent_state) -> None:
         conv, recurrent = self.states.conv[layer], self.states.recurrent[layer]

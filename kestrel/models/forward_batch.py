@@ -64,19 +64,36 @@ class ModelCache(Protocol):
 
 @dataclass
 class SequenceStates:
-    """One sequence's KDA states of one layer as views of their pool slots, each [1, ...]: the committed states it
-    starts from, where its states after its new tokens go, and where each snapshot of `state_snapshots` goes (in
-    order). A verify block writes every state straight to its slot: no gather, stack or scatter copies."""
+    """One sequence's KDA states of one layer where they live: the layer's conv and recurrent pools, the slot its
+    committed states are read from, the slot its states after its new tokens go to, and the slot of each snapshot of
+    `state_snapshots` (in order). A verify block writes every state straight to its slot: no gather, stack or scatter
+    copies. The views below ([1, ...] each) are built only when asked for (the compiled kernel takes the slot ids)."""
 
-    conv: torch.Tensor
-    recurrent: torch.Tensor
-    final_conv: torch.Tensor
-    final_recurrent: torch.Tensor
-    snapshots: list[tuple[torch.Tensor, torch.Tensor]]
-    # The layer's conv pool and the snapshot slots [S] (long): all snapshot conv states in one `index_copy_` instead
-    # of a copy per snapshot view. None: the views only.
-    conv_pool: torch.Tensor | None = None
-    snapshot_slots: torch.Tensor | None = None
+    conv_pool: torch.Tensor
+    recurrent_pool: torch.Tensor
+    slot: int
+    store_slot: int
+    snapshot_slots: list[int]
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self.conv_pool.narrow(0, self.slot, 1)
+
+    @property
+    def recurrent(self) -> torch.Tensor:
+        return self.recurrent_pool.narrow(0, self.slot, 1)
+
+    @property
+    def final_conv(self) -> torch.Tensor:
+        return self.conv_pool.narrow(0, self.store_slot, 1)
+
+    @property
+    def final_recurrent(self) -> torch.Tensor:
+        return self.recurrent_pool.narrow(0, self.store_slot, 1)
+
+    @property
+    def snapshots(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.conv_pool.narrow(0, s, 1), self.recurrent_pool.narrow(0, s, 1)) for s in self.snapshot_slots]
 
 
 class Replay(Protocol):

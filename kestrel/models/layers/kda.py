@@ -302,6 +302,9 @@ class KDAAttention(HooklessModule):
         writing its states where they live (`SequenceStates`): the same arithmetic, without the gather, the stack
         of kept states and the scatters into the pool. Returns the outputs [T, H, V]."""
         n, keep, offsets = mixed.shape[0], self.kernel - 1, snapshots or []
+        conv_w = self.conv1d.weight.squeeze(1)
+        if kda_kernel.segment_applies(mixed, g, beta, conv_w, states):  # the whole segment in one compiled call
+            return kda_kernel.segment(mixed, g, beta, conv_w, states, offsets)
         x, (q, k, v) = self._conv_qkv(states.conv, mixed[None])
         # Token index -> the slot its state goes to; a second slot for the same token (a repeated offset, or a
         # snapshot after the last token) gets a copy.
@@ -315,13 +318,8 @@ class KDAAttention(HooklessModule):
         o, _, _ = kda_steps(q, k, v, g[None], beta[None], states.recurrent, out=into)
         for dst, t in copies:
             dst.copy_(into[t])
-        if offsets and states.snapshot_slots is not None:  # window m of the run is the conv state after m tokens
-            at = torch.tensor(offsets, dtype=torch.long, device=x.device)
-            windows = x[0].unfold(0, keep, 1).index_select(0, at)  # [S, 3C, keep]
-            states.conv_pool.index_copy_(0, states.snapshot_slots, windows.to(states.conv_pool.dtype))
-        else:
-            for m, (conv, _) in zip(offsets, states.snapshots):
-                conv.copy_(x[:, m : m + keep].transpose(1, 2))
+        for m, (conv, _) in zip(offsets, states.snapshots):
+            conv.copy_(x[:, m : m + keep].transpose(1, 2))
         states.final_conv.copy_(x[:, n : n + keep].transpose(1, 2))
         return o[0]
 

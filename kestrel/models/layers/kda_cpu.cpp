@@ -144,3 +144,73 @@ at::Tensor kda_varlen_fp32(const at::Tensor& q, const at::Tensor& k, const at::T
   });
   return o;
 }
+
+// One sequence's new tokens (a verify block or a short prompt alone in its step) from its pool slots to its pool
+// slots, everything between the projections and the output norm in one call: the depthwise causal conv over
+// [cached conv inputs; mixed], SiLU, q and k L2-normalised per head (q scaled by K^-1/2), the delta rule, and every
+// state written where it lives. mixed [T, 3C] (unit column stride); conv_w [3C, W]; g [T, H, K]; beta [T, H];
+// conv_pool [slots, 3C, W - 1]; rec_pool [slots, H, K, K]. The committed states are read from `slot`; the states
+// after all T tokens go to `store_slot` (which may be `slot`), those after snap_offsets[i] tokens to snap_slots[i].
+// Returns o [T, H, K].
+at::Tensor kda_segment_fp32(const at::Tensor& mixed, const at::Tensor& conv_w, const at::Tensor& g,
+                            const at::Tensor& beta, const at::Tensor& conv_pool, const at::Tensor& rec_pool,
+                            int64_t slot, int64_t store_slot, const std::vector<int64_t>& snap_offsets,
+                            const std::vector<int64_t>& snap_slots, double eps) {
+  const int64_t T = mixed.size(0), D3 = mixed.size(1), W = conv_w.size(1), keep = W - 1;
+  const int64_t H = g.size(1), K = g.size(2), C = D3 / 3, KK = K * K;
+  TORCH_CHECK(C == H * K, "kda_segment_fp32: conv width ", D3, " is not 3 * heads * head_dim");
+  TORCH_CHECK(snap_offsets.size() == snap_slots.size(), "kda_segment_fp32: snapshot offsets and slots differ");
+  const int64_t row_stride = mixed.stride(0);
+  const float *mp = mixed.data_ptr<float>(), *wp = conv_w.data_ptr<float>(), *gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  float *cp = conv_pool.data_ptr<float>(), *rp = rec_pool.data_ptr<float>();
+  const int64_t conv_slot = D3 * keep;
+  // x: the conv run, [keep + T, 3C]: the cached inputs (stored channel-major) then the new tokens.
+  std::vector<float> x((keep + T) * D3), wt(W * D3), act(T * D3);
+  for (int64_t c = 0; c < D3; ++c)
+    for (int64_t j = 0; j < keep; ++j) x[j * D3 + c] = cp[slot * conv_slot + c * keep + j];
+  for (int64_t t = 0; t < T; ++t) std::memcpy(&x[(keep + t) * D3], mp + t * row_stride, sizeof(float) * D3);
+  for (int64_t c = 0; c < D3; ++c)
+    for (int64_t j = 0; j < W; ++j) wt[j * D3 + c] = wp[c * W + j];
+  for (int64_t t = 0; t < T; ++t) {  // conv (taps in order) then SiLU
+    float* a = &act[t * D3];
+    for (int64_t c = 0; c < D3; ++c) a[c] = x[t * D3 + c] * wt[c];
+    for (int64_t j = 1; j < W; ++j)
+      for (int64_t c = 0; c < D3; ++c) a[c] += x[(t + j) * D3 + c] * wt[j * D3 + c];
+    for (int64_t c = 0; c < D3; ++c) a[c] = a[c] / (1.f + std::exp(-a[c]));
+  }
+  const float scale = 1.f / std::sqrt(float(K)), e = float(eps);
+  for (int64_t t = 0; t < T; ++t)  // q, k: L2-normalised per head; q scaled
+    for (int64_t h = 0; h < 2 * H; ++h) {
+      float* v = &act[t * D3 + h * K];
+      float ss = 0.f;
+      for (int64_t i = 0; i < K; ++i) ss += v[i] * v[i];
+      const float inv = 1.f / std::sqrt(ss + e), s = h < H ? scale : 1.f;
+      for (int64_t i = 0; i < K; ++i) v[i] = v[i] * inv * s;
+    }
+  // Conv states: the run's window after m tokens is rows m .. m + keep - 1 (stored channel-major).
+  auto write_conv = [&](int64_t m, int64_t dst) {
+    for (int64_t c = 0; c < D3; ++c)
+      for (int64_t j = 0; j < keep; ++j) cp[dst * conv_slot + c * keep + j] = x[(m + j) * D3 + c];
+  };
+  for (size_t i = 0; i < snap_offsets.size(); ++i) write_conv(snap_offsets[i], snap_slots[i]);
+  write_conv(T, store_slot);
+  auto o = at::empty({T, H, K}, g.options());
+  float* op = o.data_ptr<float>();
+  float* S0 = rp + store_slot * H * KK;
+  if (store_slot != slot) std::memcpy(S0, rp + slot * H * KK, sizeof(float) * H * KK);
+  Scratch w(K, K);
+  for (int64_t h = 0; h < H; ++h) {
+    float* S = S0 + h * KK;
+    for (size_t i = 0; i < snap_offsets.size(); ++i)  // a snapshot before any new token: the committed state
+      if (snap_offsets[i] == 0) std::memcpy(rp + (snap_slots[i] * H + h) * KK, S, sizeof(float) * KK);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* a = &act[t * D3];
+      kda_token(S, a + h * K, a + C + h * K, gp + (t * H + h) * K, a + 2 * C + h * K, bp[t * H + h],
+                op + (t * H + h) * K, K, K, w);
+      for (size_t i = 0; i < snap_offsets.size(); ++i)
+        if (snap_offsets[i] == t + 1) std::memcpy(rp + (snap_slots[i] * H + h) * KK, S, sizeof(float) * KK);
+    }
+  }
+  return o;
+}

@@ -67,3 +67,36 @@ def varlen(
     q, k, v, g, beta = (_fp32(x) for x in (q, k, v, g, beta))
     o = cpu_kernels.module().kda_varlen_fp32(q, k, v, g, beta, states, starts, list(segment_seq), rows, out)
     return o, out
+
+
+def segment_applies(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, states) -> bool:
+    """Whether `segment` may serve a one-sequence segment (`KDAAttention.segment_in_place`): fp32 CPU inference, the
+    inputs and pools in the layouts the kernel indexes."""
+    if not cpu_kernels.inference_on_cpu(mixed) or mixed.dtype != torch.float32 or mixed.stride(-1) != 1:
+        return False
+    if not cpu_kernels.fp32_contiguous(g, beta, conv_w, states.conv_pool, states.recurrent_pool):
+        return False
+    return cpu_kernels.module() is not None
+
+
+def segment(
+    mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, states, offsets: list[int]
+) -> torch.Tensor:
+    """Conv + SiLU + q/k L2 norms + the delta rule of one sequence's T new tokens, its states read from and written
+    to their pool slots (`SequenceStates`; snapshot i after offsets[i] tokens). Returns the outputs [T, H, K]."""
+    return cpu_kernels.module().kda_segment_fp32(
+        mixed,
+        conv_w,
+        g,
+        beta,
+        states.conv_pool,
+        states.recurrent_pool,
+        states.slot,
+        states.store_slot,
+        list(offsets),
+        list(states.snapshot_slots),
+        L2_EPS,
+    )
+
+
+L2_EPS = 1e-6  # l2_normalize's eps (kda_ops), which the torch path of the same segment uses
