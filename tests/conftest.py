@@ -9,6 +9,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(int(os.environ.get("KESTREL_TEST_THREADS", "2")))
 
 
+def pytest_configure(config) -> None:
+    """Build (or load) Kestrel's compiled CPU kernels once, before any test or server subprocess needs them: a first
+    build on a fresh machine takes ~25 s, longer than a server test waits for its worker to come up."""
+    from kestrel.models.layers import cpu_kernels
+
+    cpu_kernels.module()
+
+
 @pytest.fixture(scope="session")
 def hf_kimi_linear(tmp_path_factory):
     from hf_fixtures import save_hf_model

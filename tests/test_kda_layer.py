@@ -45,7 +45,11 @@ def _layer() -> KDAAttention:
         ([20, 32, 9], [[16], [16, 32], []]),  # the longest prompts that still take the loop
     ],
 )
-def test_short_segments_equal_the_packed_form(lens, snapshots):
+@pytest.mark.parametrize("kernels", ["0", "1"], ids=["torch", "compiled"])
+def test_short_segments_equal_the_packed_form(lens, snapshots, kernels, monkeypatch):
+    """Bit for bit with the PyTorch ops; with the compiled kernels the packed form's conv and norms are one C++ pass
+    (its own rounding), the conv states exact copies either way."""
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, kernels)
     layer = _layer()
     gen = torch.Generator().manual_seed(len(lens))
     rows, b = sum(lens), len(lens)
@@ -65,14 +69,15 @@ def test_short_segments_equal_the_packed_form(lens, snapshots):
         o_s, conv_s, rec_s = layer.short_segments(mixed, g, beta, lens, conv0, rec0, snapshots, short)
         layout = batch.packed_prefill(CHUNK_SIZE, layer.kernel - 1)
         o_p, conv_p, rec_p = layer.prefill_packed(mixed, g, beta, layout, conv0, rec0, packed)
-    assert torch.equal(o_s, o_p)
+    same = torch.equal if kernels == "0" else lambda a, b: torch.allclose(a, b, atol=2e-5, rtol=1e-4)
+    assert same(o_s, o_p)
     assert torch.equal(conv_s, conv_p)
-    assert torch.equal(rec_s, rec_p)
+    assert same(rec_s, rec_p)
     assert short.snapshots.keys() == packed.snapshots.keys()
     assert len(short.snapshots) == sum(len(s or ()) for s in snapshots or ())
     for key, (c, r) in packed.snapshots.items():
         assert torch.equal(short.snapshots[key][0], c)
-        assert torch.equal(short.snapshots[key][1], r)
+        assert same(short.snapshots[key][1], r)
 
 
 def test_replay_from_committed_states_equals_the_prefix_alone():

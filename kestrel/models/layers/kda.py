@@ -12,7 +12,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch, PackedPrefill, SequenceStates
-from kestrel.models.layers import batch_invariant, kda_kernel
+from kestrel.models.layers import batch_invariant, cpu_kernels, kda_kernel
 from kestrel.models.layers.casts import cast, fp32
 from kestrel.models.layers.constants import fp32_scalar
 from kestrel.models.layers.derived import derived
@@ -158,10 +158,14 @@ class KDAAttention(HooklessModule):
         to the cache as snapshots and returns (outputs [rows, H, V], final conv states, final recurrent states).
         """
         dim = self.conv_dim
-        x = mixed.new_empty(packed.conv_len, dim)
-        x[packed.conv_token_rows] = mixed
-        x[packed.conv_history_rows] = conv_state.to(mixed.dtype).transpose(1, 2).reshape(-1, dim)
-        q, k, v = self.packed_qkv(x, packed)
+        x = mixed.new_empty(packed.conv_len, dim)  # index_copy_: CPU advanced-index writes go element by element
+        x.index_copy_(0, packed.conv_token_rows, mixed)
+        x.index_copy_(0, packed.conv_history_rows, conv_state.to(mixed.dtype).transpose(1, 2).reshape(-1, dim))
+        conv_w = self.conv1d.weight.squeeze(1)
+        if kda_kernel.applies(x, rec_state) and cpu_kernels.fp32_contiguous(x, conv_w):
+            q, k, v = kda_kernel.conv_qkv(x, conv_w, packed.conv_out_rows, self.n_heads)
+        else:
+            q, k, v = self.packed_qkv(x, packed)
         if kda_kernel.applies(q, rec_state):  # the compiled token loop, no padding (faster than the chunked form)
             finals = packed.final_segments.tolist()
             lens = [packed.segment_last_token[i] + 1 for i in finals]

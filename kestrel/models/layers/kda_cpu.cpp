@@ -101,7 +101,8 @@ at::Tensor kda_steps_fp32(const at::Tensor& q, const at::Tensor& k, const at::Te
   return o;
 }
 
-// Prefill of several sequences packed end to end (no padding): q, k, g: [N, H, K]; v: [N, H, V]; beta: [N, H];
+// Prefill of several sequences packed end to end (no padding): q, k, g: [N, H, K]; v: [N, H, V]; beta: [N, H]
+// (q, k, v: heads and channels contiguous, rows at any stride: views of `kda_conv_qkv_fp32`'s output);
 // sequence s owns rows starts[s] .. starts[s + 1) and starts from states[s] ([S, H, K, V]). Segment i of
 // sequence seg_seq[i] ends after its row seg_row[i] (absolute; starts[seq] - 1 for an empty one at the start): the
 // state there goes to out_states[i]. Returns o [N, H, V].
@@ -116,7 +117,7 @@ at::Tensor kda_varlen_fp32(const at::Tensor& q, const at::Tensor& k, const at::T
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>(), *sp = states.data_ptr<float>();
   float *op = o.data_ptr<float>(), *xp = out_states.data_ptr<float>();
-  const int64_t KV = K * V;
+  const int64_t KV = K * V, qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);  // rows may be strided
   std::vector<std::vector<std::pair<int64_t, int64_t>>> ends(S);  // per sequence: (row, segment), in order
   for (size_t i = 0; i < seg_seq.size(); ++i) ends[seg_seq[i]].emplace_back(seg_row[i], int64_t(i));
   split(S * H, N * H * KV, [&](int64_t begin, int64_t end) {
@@ -134,7 +135,8 @@ at::Tensor kda_varlen_fp32(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       for (int64_t row = starts[s]; row < starts[s + 1]; ++row) {
         const int64_t r = row * H + h;
-        kda_token(St, qp + r * K, kp + r * K, gp + r * K, vp + r * V, bp[r], op + r * V, K, V, w);
+        kda_token(St, qp + row * qs + h * K, kp + row * ks + h * K, gp + r * K, vp + row * vs + h * V, bp[r],
+                  op + r * V, K, V, w);
         while (next < mine.size() && mine[next].first == row) {
           std::memcpy(xp + (mine[next].second * H + h) * KV, St, sizeof(float) * KV);
           ++next;
@@ -213,4 +215,40 @@ at::Tensor kda_segment_fp32(const at::Tensor& mixed, const at::Tensor& conv_w, c
     }
   }
   return o;
+}
+
+// The depthwise causal conv, SiLU and q/k L2 norms of a prefill's tokens from the varlen conv layout:
+// x [L, 3C] (each sequence's cached conv inputs then its new tokens), conv_w [3C, W]; output row i is the conv over
+// x rows out_rows[i] .. out_rows[i] + W - 1. Returns [N, 3C] = [q (scaled by K^-1/2) | k | v], per head q and k
+// L2-normalised (eps inside the sqrt, as l2_normalize).
+at::Tensor kda_conv_qkv_fp32(const at::Tensor& x, const at::Tensor& conv_w, const at::Tensor& out_rows, int64_t H,
+                             double eps) {
+  const int64_t D3 = x.size(1), W = conv_w.size(1), N = out_rows.size(0), C = D3 / 3, K = C / H;
+  TORCH_CHECK(C == H * K && D3 == 3 * C, "kda_conv_qkv_fp32: conv width ", D3, " is not 3 * heads * head_dim");
+  auto out = at::empty({N, D3}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = conv_w.data_ptr<float>();
+  const int64_t* rows = out_rows.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  std::vector<float> wt(W * D3);
+  for (int64_t c = 0; c < D3; ++c)
+    for (int64_t j = 0; j < W; ++j) wt[j * D3 + c] = wp[c * W + j];
+  const float scale = 1.f / std::sqrt(float(K)), e = float(eps);
+  split(N, N * D3 * 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xr = xp + rows[i] * D3;
+      float* a = op + i * D3;
+      for (int64_t c = 0; c < D3; ++c) a[c] = xr[c] * wt[c];
+      for (int64_t j = 1; j < W; ++j)
+        for (int64_t c = 0; c < D3; ++c) a[c] += xr[j * D3 + c] * wt[j * D3 + c];
+      for (int64_t c = 0; c < D3; ++c) a[c] = a[c] / (1.f + std::exp(-a[c]));
+      for (int64_t h = 0; h < 2 * H; ++h) {
+        float* v = a + h * K;
+        float ss = 0.f;
+        for (int64_t k = 0; k < K; ++k) ss += v[k] * v[k];
+        const float inv = 1.f / std::sqrt(ss + e), sc = h < H ? scale : 1.f;
+        for (int64_t k = 0; k < K; ++k) v[k] = v[k] * inv * sc;
+      }
+    }
+  });
+  return out;
 }

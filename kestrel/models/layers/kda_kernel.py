@@ -44,6 +44,21 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
 
 
+def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] as the varlen kernel reads it: fp32, heads and channels contiguous, rows at any stride."""
+    if x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return x
+    return x.to(torch.float32).contiguous()
+
+
+def conv_qkv(x: torch.Tensor, conv_w: torch.Tensor, out_rows: torch.Tensor, heads: int):
+    """Conv + SiLU + q/k L2 norms of a prefill from its varlen conv layout (`KDAAttention.packed_qkv`'s work) ->
+    q, k, v [N, H, K] as views of one buffer. Call only where `applies` said yes and x, conv_w are fp32 contiguous."""
+    act = cpu_kernels.module().kda_conv_qkv_fp32(x, conv_w, out_rows, heads, L2_EPS)
+    c = act.shape[1] // 3
+    return (act[:, i * c : (i + 1) * c].unflatten(-1, (heads, -1)) for i in range(3))
+
+
 def varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -64,7 +79,8 @@ def varlen(
         starts.append(starts[-1] + n)
     rows = [starts[s] + last for s, last in zip(segment_seq, segment_last_token)]
     out = states.new_empty(len(rows), *states.shape[1:])
-    q, k, v, g, beta = (_fp32(x) for x in (q, k, v, g, beta))
+    q, k, v = (_fp32_rows(x) for x in (q, k, v))
+    g, beta = _fp32(g), _fp32(beta)
     o = cpu_kernels.module().kda_varlen_fp32(q, k, v, g, beta, states, starts, list(segment_seq), rows, out)
     return o, out
 
