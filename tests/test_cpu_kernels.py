@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kda_layer import _layer, _States
+from test_kda_layer import _layer, _prefill_case, _States
 from test_kda_ops import make_inputs, max_diff, prepped
 
 from kestrel import LLM, SamplingParams
-from kestrel.models.forward_batch import ForwardBatch
 from kestrel.models.layers import batch_invariant, cpu_kernels, kda_kernel, moe
 from kestrel.models.layers.kda import CHUNK_SIZE
 from kestrel.models.layers.kda_ops import kda_step, kda_steps
@@ -89,18 +88,7 @@ def test_decode_step_matches_the_torch_ops_and_a_one_token_block(in_place: bool,
 )
 def test_packed_prefill_through_the_kernel_matches_the_torch_forms(lens, snapshots, torch_ops) -> None:
     layer = _layer()
-    gen = torch.Generator().manual_seed(sum(lens))
-    rows, b = sum(lens), len(lens)
-    x = torch.randn(rows, layer.in_proj.in_features, generator=gen)
-    conv0 = torch.randn(b, layer.conv_dim, layer.kernel - 1, generator=gen)
-    rec0 = torch.randn(b, layer.n_heads, layer.head_dim, layer.head_dim, generator=gen) * 0.1
-    batch = ForwardBatch(
-        input_ids=torch.zeros(rows, dtype=torch.long),
-        positions=torch.arange(rows),
-        extend_lens=lens,
-        prefix_lens=[5] * b,
-        state_snapshots=snapshots,
-    )
+    x, conv0, rec0, batch = _prefill_case(layer, lens, snapshots, seed=sum(lens))
     layout = batch.packed_prefill(CHUNK_SIZE, layer.kernel - 1)
     with torch.inference_mode():
         mixed, g, beta, _ = layer.project(x)

@@ -36,6 +36,23 @@ def _layer() -> KDAAttention:
     return layer
 
 
+def _prefill_case(layer: KDAAttention, lens: list[int], snapshots, seed: int):
+    """Random layer inputs of prefill sequences with these lengths, their committed states, and their batch."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, b = sum(lens), len(lens)
+    x = torch.randn(rows, layer.in_proj.in_features, generator=gen)
+    conv0 = torch.randn(b, layer.conv_dim, layer.kernel - 1, generator=gen)
+    rec0 = torch.randn(b, layer.n_heads, layer.head_dim, layer.head_dim, generator=gen) * 0.1
+    batch = ForwardBatch(
+        input_ids=torch.zeros(rows, dtype=torch.long),
+        positions=torch.arange(rows),
+        extend_lens=lens,
+        prefix_lens=[5] * b,
+        state_snapshots=snapshots,
+    )
+    return x, conv0, rec0, batch
+
+
 @pytest.mark.parametrize(
     "lens, snapshots",
     [
@@ -51,18 +68,7 @@ def test_short_segments_equal_the_packed_form(lens, snapshots, kernels, monkeypa
     (its own rounding), the conv states exact copies either way."""
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, kernels)
     layer = _layer()
-    gen = torch.Generator().manual_seed(len(lens))
-    rows, b = sum(lens), len(lens)
-    x = torch.randn(rows, layer.in_proj.in_features, generator=gen)
-    conv0 = torch.randn(b, layer.conv_dim, layer.kernel - 1, generator=gen)
-    rec0 = torch.randn(b, layer.n_heads, layer.head_dim, layer.head_dim, generator=gen) * 0.1
-    batch = ForwardBatch(
-        input_ids=torch.zeros(rows, dtype=torch.long),
-        positions=torch.arange(rows),
-        extend_lens=lens,
-        prefix_lens=[5] * b,
-        state_snapshots=snapshots,
-    )
+    x, conv0, rec0, batch = _prefill_case(layer, lens, snapshots, seed=len(lens))
     with torch.inference_mode():
         mixed, g, beta, _ = layer.project(x)
         short, packed = _States(conv0, rec0), _States(conv0, rec0)
