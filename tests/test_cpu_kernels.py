@@ -9,6 +9,7 @@ from test_kda_layer import _layer, _prefill_case, _States
 from test_kda_ops import make_inputs, max_diff, prepped
 
 from kestrel import LLM, SamplingParams
+from kestrel.models.forward_batch import SequenceStates
 from kestrel.models.layers import batch_invariant, cpu_kernels, kda_kernel, moe
 from kestrel.models.layers.kda import CHUNK_SIZE
 from kestrel.models.layers.kda_ops import kda_step, kda_steps
@@ -107,6 +108,37 @@ def test_packed_prefill_through_the_kernel_matches_the_torch_forms(lens, snapsho
         torch.testing.assert_close(got_cache.snapshots[key][1], r, atol=1e-4, rtol=1e-4)
 
 
+def test_compiled_decode_step_is_a_one_token_segment_and_close_to_the_torch_ops(torch_ops) -> None:
+    """The in-place decode kernel leaves the same bits as the one-sequence segment kernel at T = 1 (a decode step
+    and a one-token verify block agree), and the PyTorch decode step's values to fp32 rounding."""
+    layer = _layer()
+    gen = torch.Generator().manual_seed(5)
+    b = 3
+    x = torch.randn(b, layer.in_proj.in_features, generator=gen)
+    conv0 = torch.randn(b, layer.conv_dim, layer.kernel - 1, generator=gen)
+    rec0 = torch.randn(b, layer.n_heads, layer.head_dim, layer.head_dim, generator=gen) * 0.1
+    with torch.inference_mode():
+        mixed, g, beta, _ = layer.project(x)
+        conv, rec = conv0.clone(), rec0.clone()
+        o = layer.decode_in_place(mixed, g, beta, conv, rec)
+        for i in range(b):  # each row as a lone one-token segment from its own slot
+            cpool, rpool = conv0[i : i + 1].clone(), rec0[i : i + 1].clone()
+            o_i = layer.segment_in_place(
+                mixed[i : i + 1], g[i : i + 1], beta[i : i + 1], _pool_states(cpool, rpool), []
+            )
+            assert torch.equal(o_i[0], o[i]) and torch.equal(cpool[0], conv[i]) and torch.equal(rpool[0], rec[i])
+        with torch_ops:
+            conv_t, rec_t = conv0.clone(), rec0.clone()
+            o_t = layer.decode_in_place(mixed, g, beta, conv_t, rec_t)
+    assert torch.equal(conv, conv_t)  # the window is a copy of inputs either way
+    torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rec, rec_t, atol=1e-5, rtol=1e-4)
+
+
+def _pool_states(conv_pool: torch.Tensor, rec_pool: torch.Tensor) -> SequenceStates:
+    return SequenceStates(conv_pool, rec_pool, 0, 0, [])
+
+
 @torch.no_grad()
 def test_a_large_call_split_over_threads_gives_the_same_bits() -> None:
     """Work above the kernel's threshold runs on torch's thread count; each (sequence, head) is still one loop."""
@@ -160,14 +192,15 @@ def test_expert_pairs_kernel_matches_the_grouped_gemms(tokens: int) -> None:
 
 def test_engine_uses_the_kernels_and_gives_the_torch_ops_tokens(tiny_checkpoints, monkeypatch) -> None:
     calls = []
-    real_steps, real_experts = kda_kernel.steps, moe.expert_pairs_kernel
+    real_steps, real_decode, real_experts = kda_kernel.steps, kda_kernel.decode, moe.expert_pairs_kernel
     monkeypatch.setattr(kda_kernel, "steps", lambda *a: calls.append(("kda", a[0].shape)) or real_steps(*a))
+    monkeypatch.setattr(kda_kernel, "decode", lambda *a: calls.append(("kda_decode", a[0].shape)) or real_decode(*a))
     monkeypatch.setattr(moe, "expert_pairs_kernel", lambda *a: calls.append(("moe", a[0].shape)) or real_experts(*a))
     prompts = [[5, 9, 11, 3] * 9, [7, 8] * 30]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_checkpoints["kimi_k3"]), max_total_tokens=1024)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert any(kind == "kda" and len(shape) == 3 for kind, shape in calls)  # decode steps: [B, H, K], one token
+    assert ("kda_decode", (2, llm.engine.model.model.layers[0].self_attn.conv_dim)) in calls  # both decode rows
     assert any(kind == "moe" and shape[0] == 2 for kind, shape in calls)  # the two requests' decode rows
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     calls.clear()

@@ -30,6 +30,7 @@ FUNCTIONS = [
     "kda_steps_fp32",
     "kda_varlen_fp32",
     "kda_segment_fp32",
+    "kda_decode_fp32",
     "kda_conv_qkv_fp32",
     "expert_pairs_up_fp32",
     "expert_pairs_down_fp32",

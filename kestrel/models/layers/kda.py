@@ -145,7 +145,11 @@ class KDAAttention(HooklessModule):
         return o, window[:, :, 1:], rec_state
 
     def decode_in_place(self, mixed, g, beta, conv_state, rec_state) -> torch.Tensor:
-        """`decode` writing the new states into the given pool views (same arithmetic, bit for bit)."""
+        """`decode` writing the new states into the given pool views (same arithmetic, bit for bit; with the compiled
+        kernels, one call with the arithmetic of `segment_in_place`)."""
+        conv_w = self.conv1d.weight.squeeze(1)
+        if kda_kernel.decode_applies(mixed, g, beta, conv_w, conv_state, rec_state):
+            return kda_kernel.decode(mixed, g, beta, conv_w, conv_state, rec_state)
         o, window, _ = self.decode(mixed, g, beta, conv_state, rec_state, in_place=True)
         conv_state.copy_(window)
         return o

@@ -252,3 +252,53 @@ at::Tensor kda_conv_qkv_fp32(const at::Tensor& x, const at::Tensor& conv_w, cons
   });
   return out;
 }
+
+// A decode step of B sequences whose states are pool views updated in place (`KDAAttention.decode_in_place`): per
+// sequence the same arithmetic as `kda_segment_fp32` at T = 1 (conv taps in order, SiLU, q/k norms, one token of the
+// delta rule), so a decode step and a one-token verify block leave the same bits. mixed [B, 3C] (unit column stride);
+// conv_w [3C, W]; g [B, H, K]; beta [B, H]; conv_state [B, 3C, W - 1] and rec_state [B, H, K, K], both contiguous and
+// written in place. Returns o [B, H, K].
+at::Tensor kda_decode_fp32(const at::Tensor& mixed, const at::Tensor& conv_w, const at::Tensor& g,
+                           const at::Tensor& beta, const at::Tensor& conv_state, const at::Tensor& rec_state,
+                           double eps) {
+  const int64_t B = mixed.size(0), D3 = mixed.size(1), W = conv_w.size(1), keep = W - 1;
+  const int64_t H = g.size(1), K = g.size(2), C = D3 / 3, KK = K * K;
+  TORCH_CHECK(C == H * K, "kda_decode_fp32: conv width ", D3, " is not 3 * heads * head_dim");
+  const int64_t row_stride = mixed.stride(0);
+  const float *mp = mixed.data_ptr<float>(), *wp = conv_w.data_ptr<float>(), *gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  float *cp = conv_state.data_ptr<float>(), *rp = rec_state.data_ptr<float>();
+  std::vector<float> wt(W * D3);
+  for (int64_t c = 0; c < D3; ++c)
+    for (int64_t j = 0; j < W; ++j) wt[j * D3 + c] = wp[c * W + j];
+  auto o = at::empty({B, H, K}, g.options());
+  float* op = o.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(float(K)), e = float(eps);
+  split(B, B * H * KK * 3, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(W * D3), a(D3);
+    Scratch w(K, K);
+    for (int64_t b = begin; b < end; ++b) {
+      float* conv = cp + b * D3 * keep;
+      for (int64_t c = 0; c < D3; ++c)
+        for (int64_t j = 0; j < keep; ++j) x[j * D3 + c] = conv[c * keep + j];
+      std::memcpy(&x[keep * D3], mp + b * row_stride, sizeof(float) * D3);
+      for (int64_t c = 0; c < D3; ++c) a[c] = x[c] * wt[c];
+      for (int64_t j = 1; j < W; ++j)
+        for (int64_t c = 0; c < D3; ++c) a[c] += x[j * D3 + c] * wt[j * D3 + c];
+      for (int64_t c = 0; c < D3; ++c) a[c] = a[c] / (1.f + std::exp(-a[c]));
+      for (int64_t h = 0; h < 2 * H; ++h) {
+        float* v = &a[h * K];
+        float ss = 0.f;
+        for (int64_t i = 0; i < K; ++i) ss += v[i] * v[i];
+        const float inv = 1.f / std::sqrt(ss + e), s = h < H ? scale : 1.f;
+        for (int64_t i = 0; i < K; ++i) v[i] = v[i] * inv * s;
+      }
+      for (int64_t c = 0; c < D3; ++c)  // the window moves on by one input
+        for (int64_t j = 0; j < keep; ++j) conv[c * keep + j] = x[(j + 1) * D3 + c];
+      for (int64_t h = 0; h < H; ++h)
+        kda_token(rp + (b * H + h) * KK, &a[h * K], &a[C + h * K], gp + (b * H + h) * K, &a[2 * C + h * K],
+                  bp[b * H + h], op + (b * H + h) * K, K, K, w);
+    }
+  });
+  return o;
+}

@@ -115,4 +115,19 @@ def segment(
     )
 
 
+def decode_applies(mixed, g, beta, conv_w, conv_state, rec_state) -> bool:
+    """Whether `decode` may serve an in-place decode step: fp32 CPU inference, the layouts the kernel indexes."""
+    if not cpu_kernels.inference_on_cpu(mixed) or mixed.dtype != torch.float32 or mixed.stride(-1) != 1:
+        return False
+    if not cpu_kernels.fp32_contiguous(g, beta, conv_w, conv_state, rec_state):
+        return False
+    return cpu_kernels.module() is not None
+
+
+def decode(mixed, g, beta, conv_w, conv_state, rec_state) -> torch.Tensor:
+    """One decode token of B sequences: conv + SiLU + q/k norms + the delta rule, the conv and recurrent states (pool
+    views) updated in place. Returns the outputs [B, H, K]."""
+    return cpu_kernels.module().kda_decode_fp32(mixed, conv_w, g, beta, conv_state, rec_state, L2_EPS)
+
+
 L2_EPS = 1e-6  # l2_normalize's eps (kda_ops), which the torch path of the same segment uses
