@@ -88,3 +88,30 @@ def test_warm_start_begins_from_the_given_draft_and_refuses_another_shape(tiny_c
     (other / "config.json").write_text(json.dumps(cfg | {"block_size": cfg["block_size"] + 1}))
     with pytest.raises(ValueError, match="block_size"):
         DFlashTrainer(target, tmp_path / "refused", dataclasses.replace(_cfg(2), init_draft=str(other)))
+
+
+def test_a_seeded_answer_file_is_extended_with_the_missing_prompts_only(tmp_path, monkeypatch):
+    """A folder whose `distill_data.json` covers the first prompts (a copied earlier run) generates answers only for
+    the rest, in prompt order; a file covering more prompts than asked is cut to them."""
+    from types import SimpleNamespace
+
+    from kestrel.train import dflash
+
+    asked: list[list[str]] = []
+
+    def fake_answers(path, prompts, max_new_tokens):
+        asked.append(list(prompts))
+        return [([7, len(asked), i], 1) for i in range(len(prompts))]
+
+    monkeypatch.setattr(dflash, "target_answers", fake_answers)
+    kept = [[[1, 2, 3], 1], [[4, 5], 1], [[6], 1]]
+    (tmp_path / "distill_data.json").write_text(json.dumps(kept))
+    trainer = SimpleNamespace(
+        out=tmp_path, target_path=tmp_path, cfg=DFlashTrainConfig(num_prompts=5), state=dflash.DFlashTrainState()
+    )
+    data = DFlashTrainer._data(trainer)
+    assert asked == [dflash.chat_prompts(0, 5)[3:]]
+    assert data[:3] == [tuple(x) for x in kept] and data[3:] == [([7, 1, 0], 1), ([7, 1, 1], 1)]
+    assert json.loads((tmp_path / "distill_data.json").read_text()) == [list(x) for x in data]
+    trainer.cfg = DFlashTrainConfig(num_prompts=2)
+    assert DFlashTrainer._data(trainer) == data[:2] and len(asked) == 1

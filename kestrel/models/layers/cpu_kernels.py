@@ -1,15 +1,15 @@
 """Kestrel's compiled CPU kernels (`*_cpu.cpp` here), built once per machine and loaded by every process.
 
 Why: a decode step or a verify block of a small model spends its time on op dispatch, not arithmetic. A few loops
-that PyTorch would run as dozens of tiny ATen ops a layer are written in C++ instead: KDA's token loop
+that PyTorch would run as dozens of tiny ATen ops a layer are written in C++ instead: KDA's token loop and its conv
 (`kda_cpu.cpp`, used by `kda_kernel`) and the routed experts of a small batch (`experts_cpu.cpp`, used by `moe`).
 
-Built by `torch.utils.cpp_extension` (g++ and ninja) into torch's extensions folder the first time an engine starts
-on CPU (~30 s, then a cached load of well under a second). Used only for fp32 CPU tensors outside autograd, the
-compiler and batch-invariant mode (whose trainer must see the very same ops); everything else, a machine without a
-compiler, and `KESTREL_CPU_KERNELS=0` run the PyTorch ops. Each kernel agrees with the ops it replaces to fp32
-rounding (tests/test_cpu_kernels.py), and decode steps and verify blocks take the same kernel, so their outputs stay
-identical to each other.
+Built by `torch.utils.cpp_extension` (g++ and ninja) into torch's extensions folder by `make setup`, or else the
+first time an engine starts on CPU (~25 s, then a cached load of well under a second). Used only for fp32 CPU
+tensors outside autograd, the compiler and batch-invariant mode (whose trainer must see the very same ops);
+everything else, a machine without a compiler, and `KESTREL_CPU_KERNELS=0` run the PyTorch ops. Each kernel agrees
+with the ops it replaces to fp32 rounding (tests/test_cpu_kernels.py), and decode steps and verify blocks take the
+same arithmetic, so their outputs stay identical to each other.
 """
 
 from __future__ import annotations

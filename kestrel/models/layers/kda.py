@@ -148,7 +148,7 @@ class KDAAttention(HooklessModule):
         """`decode` writing the new states into the given pool views (same arithmetic, bit for bit; with the compiled
         kernels, one call with the arithmetic of `segment_in_place`)."""
         conv_w = self.conv1d.weight.squeeze(1)
-        if kda_kernel.decode_applies(mixed, g, beta, conv_w, conv_state, rec_state):
+        if kda_kernel.fused_applies(mixed, g, beta, conv_w, conv_state, rec_state):
             return kda_kernel.decode(mixed, g, beta, conv_w, conv_state, rec_state)
         o, window, _ = self.decode(mixed, g, beta, conv_state, rec_state, in_place=True)
         conv_state.copy_(window)
@@ -311,7 +311,7 @@ class KDAAttention(HooklessModule):
         of kept states and the scatters into the pool. Returns the outputs [T, H, V]."""
         n, keep, offsets = mixed.shape[0], self.kernel - 1, snapshots or []
         conv_w = self.conv1d.weight.squeeze(1)
-        if kda_kernel.segment_applies(mixed, g, beta, conv_w, states):  # the whole segment in one compiled call
+        if kda_kernel.fused_applies(mixed, g, beta, conv_w, states.conv_pool, states.recurrent_pool):  # one call
             return kda_kernel.segment(mixed, g, beta, conv_w, states, offsets)
         x, (q, k, v) = self._conv_qkv(states.conv, mixed[None])
         # Token index -> the slot its state goes to; a second slot for the same token (a repeated offset, or a

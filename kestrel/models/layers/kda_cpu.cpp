@@ -63,6 +63,35 @@ void split(int64_t n, int64_t work, const F& fn) {
   at::parallel_for(0, n, 1, fn);
 }
 
+// conv_w [3C, W] as taps-major [W, 3C], so every tap's channels are contiguous.
+std::vector<float> taps_major(const at::Tensor& conv_w) {
+  const int64_t D3 = conv_w.size(0), W = conv_w.size(1);
+  const float* wp = conv_w.data_ptr<float>();
+  std::vector<float> wt(W * D3);
+  for (int64_t c = 0; c < D3; ++c)
+    for (int64_t j = 0; j < W; ++j) wt[j * D3 + c] = wp[c * W + j];
+  return wt;
+}
+
+// One token's [q | k | v] (a [3C]) from the W conv input rows x (each [3C], contiguous) ending at it: the depthwise
+// conv with its taps in order, SiLU, then q and k L2-normalised per head (eps inside the sqrt, as l2_normalize) and q
+// scaled by K^-1/2. Every compiled path (decode, one-sequence segment, prefill) forms q, k, v here, so they agree.
+inline void conv_qkv_row(const float* x, const float* wt, float* a, int64_t D3, int64_t W, int64_t H, int64_t K,
+                         float eps) {
+  for (int64_t c = 0; c < D3; ++c) a[c] = x[c] * wt[c];
+  for (int64_t j = 1; j < W; ++j)
+    for (int64_t c = 0; c < D3; ++c) a[c] += x[j * D3 + c] * wt[j * D3 + c];
+  for (int64_t c = 0; c < D3; ++c) a[c] = a[c] / (1.f + std::exp(-a[c]));
+  const float scale = 1.f / std::sqrt(float(K));
+  for (int64_t h = 0; h < 2 * H; ++h) {
+    float* v = a + h * K;
+    float ss = 0.f;
+    for (int64_t i = 0; i < K; ++i) ss += v[i] * v[i];
+    const float inv = 1.f / std::sqrt(ss + eps), s = h < H ? scale : 1.f;
+    for (int64_t i = 0; i < K; ++i) v[i] = v[i] * inv * s;
+  }
+}
+
 }  // namespace
 
 // q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; state: [B, H, K, V]; all fp32 and contiguous. One token
@@ -163,33 +192,16 @@ at::Tensor kda_segment_fp32(const at::Tensor& mixed, const at::Tensor& conv_w, c
   TORCH_CHECK(C == H * K, "kda_segment_fp32: conv width ", D3, " is not 3 * heads * head_dim");
   TORCH_CHECK(snap_offsets.size() == snap_slots.size(), "kda_segment_fp32: snapshot offsets and slots differ");
   const int64_t row_stride = mixed.stride(0);
-  const float *mp = mixed.data_ptr<float>(), *wp = conv_w.data_ptr<float>(), *gp = g.data_ptr<float>();
-  const float* bp = beta.data_ptr<float>();
+  const float *mp = mixed.data_ptr<float>(), *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float *cp = conv_pool.data_ptr<float>(), *rp = rec_pool.data_ptr<float>();
   const int64_t conv_slot = D3 * keep;
   // x: the conv run, [keep + T, 3C]: the cached inputs (stored channel-major) then the new tokens.
-  std::vector<float> x((keep + T) * D3), wt(W * D3), act(T * D3);
+  std::vector<float> x((keep + T) * D3), act(T * D3);
   for (int64_t c = 0; c < D3; ++c)
     for (int64_t j = 0; j < keep; ++j) x[j * D3 + c] = cp[slot * conv_slot + c * keep + j];
   for (int64_t t = 0; t < T; ++t) std::memcpy(&x[(keep + t) * D3], mp + t * row_stride, sizeof(float) * D3);
-  for (int64_t c = 0; c < D3; ++c)
-    for (int64_t j = 0; j < W; ++j) wt[j * D3 + c] = wp[c * W + j];
-  for (int64_t t = 0; t < T; ++t) {  // conv (taps in order) then SiLU
-    float* a = &act[t * D3];
-    for (int64_t c = 0; c < D3; ++c) a[c] = x[t * D3 + c] * wt[c];
-    for (int64_t j = 1; j < W; ++j)
-      for (int64_t c = 0; c < D3; ++c) a[c] += x[(t + j) * D3 + c] * wt[j * D3 + c];
-    for (int64_t c = 0; c < D3; ++c) a[c] = a[c] / (1.f + std::exp(-a[c]));
-  }
-  const float scale = 1.f / std::sqrt(float(K)), e = float(eps);
-  for (int64_t t = 0; t < T; ++t)  // q, k: L2-normalised per head; q scaled
-    for (int64_t h = 0; h < 2 * H; ++h) {
-      float* v = &act[t * D3 + h * K];
-      float ss = 0.f;
-      for (int64_t i = 0; i < K; ++i) ss += v[i] * v[i];
-      const float inv = 1.f / std::sqrt(ss + e), s = h < H ? scale : 1.f;
-      for (int64_t i = 0; i < K; ++i) v[i] = v[i] * inv * s;
-    }
+  const auto wt = taps_major(conv_w);
+  for (int64_t t = 0; t < T; ++t) conv_qkv_row(&x[t * D3], wt.data(), &act[t * D3], D3, W, H, K, float(eps));
   // Conv states: the run's window after m tokens is rows m .. m + keep - 1 (stored channel-major).
   auto write_conv = [&](int64_t m, int64_t dst) {
     for (int64_t c = 0; c < D3; ++c)
@@ -226,29 +238,13 @@ at::Tensor kda_conv_qkv_fp32(const at::Tensor& x, const at::Tensor& conv_w, cons
   const int64_t D3 = x.size(1), W = conv_w.size(1), N = out_rows.size(0), C = D3 / 3, K = C / H;
   TORCH_CHECK(C == H * K && D3 == 3 * C, "kda_conv_qkv_fp32: conv width ", D3, " is not 3 * heads * head_dim");
   auto out = at::empty({N, D3}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = conv_w.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
   const int64_t* rows = out_rows.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  std::vector<float> wt(W * D3);
-  for (int64_t c = 0; c < D3; ++c)
-    for (int64_t j = 0; j < W; ++j) wt[j * D3 + c] = wp[c * W + j];
-  const float scale = 1.f / std::sqrt(float(K)), e = float(eps);
+  const auto wt = taps_major(conv_w);
   split(N, N * D3 * 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* xr = xp + rows[i] * D3;
-      float* a = op + i * D3;
-      for (int64_t c = 0; c < D3; ++c) a[c] = xr[c] * wt[c];
-      for (int64_t j = 1; j < W; ++j)
-        for (int64_t c = 0; c < D3; ++c) a[c] += xr[j * D3 + c] * wt[j * D3 + c];
-      for (int64_t c = 0; c < D3; ++c) a[c] = a[c] / (1.f + std::exp(-a[c]));
-      for (int64_t h = 0; h < 2 * H; ++h) {
-        float* v = a + h * K;
-        float ss = 0.f;
-        for (int64_t k = 0; k < K; ++k) ss += v[k] * v[k];
-        const float inv = 1.f / std::sqrt(ss + e), sc = h < H ? scale : 1.f;
-        for (int64_t k = 0; k < K; ++k) v[k] = v[k] * inv * sc;
-      }
-    }
+    for (int64_t i = begin; i < end; ++i)
+      conv_qkv_row(xp + rows[i] * D3, wt.data(), op + i * D3, D3, W, H, K, float(eps));
   });
   return out;
 }
@@ -265,15 +261,11 @@ at::Tensor kda_decode_fp32(const at::Tensor& mixed, const at::Tensor& conv_w, co
   const int64_t H = g.size(1), K = g.size(2), C = D3 / 3, KK = K * K;
   TORCH_CHECK(C == H * K, "kda_decode_fp32: conv width ", D3, " is not 3 * heads * head_dim");
   const int64_t row_stride = mixed.stride(0);
-  const float *mp = mixed.data_ptr<float>(), *wp = conv_w.data_ptr<float>(), *gp = g.data_ptr<float>();
-  const float* bp = beta.data_ptr<float>();
+  const float *mp = mixed.data_ptr<float>(), *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float *cp = conv_state.data_ptr<float>(), *rp = rec_state.data_ptr<float>();
-  std::vector<float> wt(W * D3);
-  for (int64_t c = 0; c < D3; ++c)
-    for (int64_t j = 0; j < W; ++j) wt[j * D3 + c] = wp[c * W + j];
+  const auto wt = taps_major(conv_w);
   auto o = at::empty({B, H, K}, g.options());
   float* op = o.data_ptr<float>();
-  const float scale = 1.f / std::sqrt(float(K)), e = float(eps);
   split(B, B * H * KK * 3, [&](int64_t begin, int64_t end) {
     std::vector<float> x(W * D3), a(D3);
     Scratch w(K, K);
@@ -282,17 +274,7 @@ at::Tensor kda_decode_fp32(const at::Tensor& mixed, const at::Tensor& conv_w, co
       for (int64_t c = 0; c < D3; ++c)
         for (int64_t j = 0; j < keep; ++j) x[j * D3 + c] = conv[c * keep + j];
       std::memcpy(&x[keep * D3], mp + b * row_stride, sizeof(float) * D3);
-      for (int64_t c = 0; c < D3; ++c) a[c] = x[c] * wt[c];
-      for (int64_t j = 1; j < W; ++j)
-        for (int64_t c = 0; c < D3; ++c) a[c] += x[j * D3 + c] * wt[j * D3 + c];
-      for (int64_t c = 0; c < D3; ++c) a[c] = a[c] / (1.f + std::exp(-a[c]));
-      for (int64_t h = 0; h < 2 * H; ++h) {
-        float* v = &a[h * K];
-        float ss = 0.f;
-        for (int64_t i = 0; i < K; ++i) ss += v[i] * v[i];
-        const float inv = 1.f / std::sqrt(ss + e), s = h < H ? scale : 1.f;
-        for (int64_t i = 0; i < K; ++i) v[i] = v[i] * inv * s;
-      }
+      conv_qkv_row(x.data(), wt.data(), a.data(), D3, W, H, K, float(eps));
       for (int64_t c = 0; c < D3; ++c)  // the window moves on by one input
         for (int64_t j = 0; j < keep; ++j) conv[c * keep + j] = x[(j + 1) * D3 + c];
       for (int64_t h = 0; h < H; ++h)

@@ -1,4 +1,6 @@
-"""KDA's token loop (decode steps, verify blocks, short prefills) through the compiled CPU kernel (`kda_cpu.cpp`).
+"""KDA on CPU through the compiled kernels (`kda_cpu.cpp`): the token loop (decode steps, verify blocks, prefills) and
+the calls that also run the conv, SiLU and q/k norms (a decode step in place, a lone sequence's segment, a prefill's
+conv pass).
 
 Each token of `kda_steps` is five ATen ops on a [K, V] state per head (~25 us a token and layer at K = V = 64, one
 thread); the C++ loop keeps each head's state in cache and does the same arithmetic for all tokens in ~4 us (a
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from kestrel.models.layers import cpu_kernels
+
+L2_EPS = 1e-6  # l2_normalize's eps (kda_ops), which the PyTorch path of the same layer uses
 
 
 def applies(q: torch.Tensor, state: torch.Tensor, *outs: torch.Tensor) -> bool:
@@ -85,21 +89,20 @@ def varlen(
     return o, out
 
 
-def segment_applies(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, states) -> bool:
-    """Whether `segment` may serve a one-sequence segment (`KDAAttention.segment_in_place`): fp32 CPU inference, the
-    inputs and pools in the layouts the kernel indexes."""
+def fused_applies(mixed: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether `segment` / `decode` may serve this layer call: fp32 CPU inference, `mixed` with unit column stride and
+    the other tensors (inputs, conv weight, state pools or views) fp32 and contiguous, with the kernels built."""
     if not cpu_kernels.inference_on_cpu(mixed) or mixed.dtype != torch.float32 or mixed.stride(-1) != 1:
         return False
-    if not cpu_kernels.fp32_contiguous(g, beta, conv_w, states.conv_pool, states.recurrent_pool):
-        return False
-    return cpu_kernels.module() is not None
+    return cpu_kernels.fp32_contiguous(*tensors) and cpu_kernels.module() is not None
 
 
 def segment(
     mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, states, offsets: list[int]
 ) -> torch.Tensor:
     """Conv + SiLU + q/k L2 norms + the delta rule of one sequence's T new tokens, its states read from and written
-    to their pool slots (`SequenceStates`; snapshot i after offsets[i] tokens). Returns the outputs [T, H, K]."""
+    to their pool slots (`SequenceStates`; snapshot i after offsets[i] tokens). Returns the outputs [T, H, K]. Call
+    only where `fused_applies` said yes."""
     return cpu_kernels.module().kda_segment_fp32(
         mixed,
         conv_w,
@@ -115,19 +118,7 @@ def segment(
     )
 
 
-def decode_applies(mixed, g, beta, conv_w, conv_state, rec_state) -> bool:
-    """Whether `decode` may serve an in-place decode step: fp32 CPU inference, the layouts the kernel indexes."""
-    if not cpu_kernels.inference_on_cpu(mixed) or mixed.dtype != torch.float32 or mixed.stride(-1) != 1:
-        return False
-    if not cpu_kernels.fp32_contiguous(g, beta, conv_w, conv_state, rec_state):
-        return False
-    return cpu_kernels.module() is not None
-
-
 def decode(mixed, g, beta, conv_w, conv_state, rec_state) -> torch.Tensor:
     """One decode token of B sequences: conv + SiLU + q/k norms + the delta rule, the conv and recurrent states (pool
-    views) updated in place. Returns the outputs [B, H, K]."""
+    views) updated in place. Returns the outputs [B, H, K]. Call only where `fused_applies` said yes."""
     return cpu_kernels.module().kda_decode_fp32(mixed, conv_w, g, beta, conv_state, rec_state, L2_EPS)
-
-
-L2_EPS = 1e-6  # l2_normalize's eps (kda_ops), which the torch path of the same segment uses
