@@ -1,5 +1,5 @@
-"""Kestrel's compiled CPU kernels (KDA's token loop, small-batch routed experts) against the PyTorch ops they
-replace, and their use by the engine."""
+"""Kestrel's compiled CPU kernels (KDA's token loop, small-batch routed experts, MLA decode over the KV pool) against
+the PyTorch ops they replace, and their use by the engine."""
 
 from __future__ import annotations
 
@@ -172,11 +172,13 @@ class _Situ:
         return situ(gate, up, 4.0, 8.0)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("tokens, hidden", [(1, 40), (3, 40), (8, 40), (5, 64), (32, 64)])
 @torch.no_grad()
-def test_expert_pairs_kernel_matches_the_grouped_gemms(tokens: int) -> None:
+def test_expert_pairs_kernel_matches_the_grouped_gemms(tokens: int, hidden: int) -> None:
+    """40 wide: the scalar tail after the 16-lane chunks; 64: whole chunks. 32 tokens: several row tiles per expert
+    and the weight rows split across threads (a parallel region)."""
     gen = torch.Generator().manual_seed(tokens)
-    experts, hidden, inter, top_k = 8, 40, 24, 2  # 40: not a multiple of the kernel's 16 lanes
+    experts, inter, top_k = 8, 24, 2
     x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
@@ -188,6 +190,64 @@ def test_expert_pairs_kernel_matches_the_grouped_gemms(tokens: int) -> None:
     # a token's terms do not depend on the other tokens of its batch
     alone = expert_pairs_kernel(x[-1:], ids[-1:], weights[-1:], gate_up, down, _Situ())
     assert torch.equal(alone, got[-1:])
+
+
+class _PoolCache:
+    """A decode batch's histories as rows of one KV pool in scattered slots, as the paged cache holds them."""
+
+    def __init__(self, lengths: list[int], rank: int, rope: int, gen: torch.Generator) -> None:
+        slots_total = sum(lengths) + 17
+        self.latent = torch.randn(slots_total, rank, generator=gen)
+        self.rope_key = torch.randn(slots_total, rope, generator=gen)
+        perm = torch.randperm(slots_total, generator=gen)
+        width = max(lengths) + 3  # a page table wider than the longest history
+        self.slots = torch.zeros(len(lengths), width, dtype=torch.long)
+        at = 0
+        for i, n in enumerate(lengths):
+            self.slots[i, :n] = perm[at : at + n]
+            at += n
+        self.lengths = torch.tensor(lengths)
+        self.width = max(lengths)
+
+    def decode_lengths(self):
+        return self.lengths
+
+    def decode_pool(self, layer):
+        return self.latent, self.rope_key, self.slots[:, : self.width]
+
+    def decode_kv(self, layer):
+        idx = self.slots[:, : self.width]
+        return self.latent[idx], self.rope_key[idx]
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32"])
+@torch.no_grad()
+def test_mla_decode_in_the_pool_matches_the_padded_form(tiny_checkpoints, torch_ops, family: str) -> None:
+    """The kernel reads every row's history from the pool by slot; the PyTorch form gathers padded histories. The
+    same attention to fp32 rounding, and a row's kernel result does not depend on the other rows of its batch."""
+    from kestrel.models.loader import load_model
+
+    model, cfg = load_model(str(tiny_checkpoints[family]), dtype=torch.float32)
+    attn = model.model.layers[cfg.attention_layers[0]].self_attn
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, 9, 33, 70]
+    cache = _PoolCache(lengths, attn.rank, attn.rope_dim, gen)
+    q_nope = torch.randn(len(lengths), attn.n_heads, attn.nope, generator=gen)
+    q_rope = torch.randn(len(lengths), attn.n_heads, attn.rope_dim, generator=gen)
+    got = attn._attend_in_pool(q_nope, q_rope, cache, cache.lengths)
+    assert got is not None
+    with torch_ops:
+        assert attn._attend_in_pool(q_nope, q_rope, cache, cache.lengths) is None
+        allowed = torch.arange(cache.width)[None, :] < cache.lengths[:, None]
+        want = attn._attend_latent_padded(q_nope, q_rope, *cache.decode_kv(0), allowed)
+    assert got.shape == want.shape and max_diff(got, want) < ATOL
+    # the kernel's rows: one row alone gives the same bits as in its batch
+    kernel = cpu_kernels.module().mla_decode_fp32
+    q_latent = torch.randn(len(lengths), attn.n_heads, attn.rank, generator=gen)
+    slots = cache.slots[:, : cache.width]
+    batch = kernel(q_latent, q_rope, cache.latent, cache.rope_key, slots, cache.lengths, attn.scale)
+    row = kernel(q_latent[2:3], q_rope[2:3], cache.latent, cache.rope_key, slots[2:3], cache.lengths[2:3], attn.scale)
+    assert torch.equal(row, batch[2:3])
 
 
 def test_engine_uses_the_kernels_and_gives_the_torch_ops_tokens(tiny_checkpoints, monkeypatch) -> None:
@@ -206,3 +266,27 @@ def test_engine_uses_the_kernels_and_gives_the_torch_ops_tokens(tiny_checkpoints
     calls.clear()
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls and got == want
+
+
+def test_engine_decodes_dense_mla_in_the_pool_with_the_torch_ops_tokens(tiny_checkpoints, monkeypatch) -> None:
+    """kimi_linear's MLA layers (no indexer) decode through the pool kernel; the tokens equal the PyTorch form's."""
+    from kestrel.models.layers import mla
+
+    calls = []
+    real = mla.MLAAttention._attend_in_pool
+
+    def spy(self, q_nope, *args):
+        out = real(self, q_nope, *args)
+        calls.append((q_nope.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(mla.MLAAttention, "_attend_in_pool", spy)
+    prompts = [[5, 9, 11, 3] * 9, [7, 8] * 30, [4] * 3]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(tiny_checkpoints["kimi_linear"]), max_total_tokens=1024)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert (3, True) in calls  # all three requests' decode rows, through the kernel
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    calls.clear()
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls and not any(used for _, used in calls) and got == want

@@ -65,6 +65,9 @@ class _FullCache:
     def decode_kv(self, layer):
         return self.t["latent"], self.t["rope_key"]
 
+    def decode_pool(self, layer):
+        return None  # padded histories, no pool: the PyTorch decode form
+
     def decode_kv_at(self, layer, positions):
         lat, rope = self.t["latent"], self.t["rope_key"]
         return (x.gather(1, positions[..., None].expand(-1, -1, x.shape[-1])) for x in (lat, rope))

@@ -68,6 +68,11 @@ class PagedCacheView:
     def decode_kv(self, layer):
         return self.kv.read(layer, self.decode_slots)
 
+    def decode_pool(self, layer):
+        if type(self.kv) is not KVStorage:  # quantized rows are decoded on read
+            return None
+        return self.kv.latent[layer], self.kv.rope_key[layer], self.decode_slots
+
     def decode_index_keys(self, layer):
         return self.kv.read_index(layer, self.decode_slots)
 

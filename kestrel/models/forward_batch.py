@@ -32,6 +32,11 @@ class ModelCache(Protocol):
     def decode_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows' histories padded to [D, L_max, r] latents and [D, L_max, dr] rope keys."""
 
+    def decode_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The latent pool [S, r], rope-key pool [S, dr] and the decode rows' slot table [D, L_max] (row i's history
+        at positions < decode_lengths()[i]), for a kernel that reads the pool in place; None where the storage is
+        not one plain tensor per quantity (quantized formats, the oracle path's per-sequence lists)."""
+
     def decode_index_keys(self, layer: int) -> torch.Tensor:
         """Decode rows' index keys padded to [D, L_max, Di] (the DSA indexer reads all of them)."""
 

@@ -55,6 +55,9 @@ class SimpleCache:
     def decode_kv(self, layer: int):
         return self._padded(layer, 0), self._padded(layer, 1)
 
+    def decode_pool(self, layer: int) -> None:
+        return None  # per-sequence tensors, no pool
+
     def decode_index_keys(self, layer: int):
         return self._padded(layer, 2)
 

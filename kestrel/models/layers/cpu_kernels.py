@@ -25,7 +25,7 @@ import torch
 from kestrel.models.layers import batch_invariant
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("kda_cpu.cpp", "experts_cpu.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kda_cpu.cpp", "experts_cpu.cpp", "mla_cpu.cpp")]
 FUNCTIONS = [
     "kda_steps_fp32",
     "kda_varlen_fp32",
@@ -34,6 +34,7 @@ FUNCTIONS = [
     "kda_conv_qkv_fp32",
     "expert_pairs_up_fp32",
     "expert_pairs_down_fp32",
+    "mla_decode_fp32",
 ]
 ENV_SWITCH = "KESTREL_CPU_KERNELS"
 _built: dict[str, ModuleType | None] = {}

@@ -14,7 +14,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.forward_batch import ForwardBatch
-from kestrel.models.layers import batch_invariant
+from kestrel.models.layers import batch_invariant, cpu_kernels
 from kestrel.models.layers.casts import cast
 from kestrel.models.layers.constants import fp32_scalar
 from kestrel.models.layers.derived import derived
@@ -245,6 +245,9 @@ class MLAAttention(HooklessModule):
             return cache.dcp_decode(self, q_nope, q_rope, index_q, index_w)
         lengths = cache.decode_lengths()
         if self.indexer is None:
+            in_pool = self._attend_in_pool(q_nope, q_rope, cache, lengths)
+            if in_pool is not None:
+                return in_pool
             latent, rope_key = cache.decode_kv(self.layer_id)
             allowed = torch.arange(latent.shape[1], device=latent.device)[None, :] < lengths[:, None]  # [D, L]
             return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, allowed)
@@ -258,8 +261,37 @@ class MLAAttention(HooklessModule):
         idx, selected = topk_positions(scores, allowed, k)  # [D, k]; not selected: padding of histories shorter than k
         if record is not None:
             record.append(as_positions(idx, selected, self.indexer.topk))
+        # the selected positions are a prefix of each row (selection order: the unselected padding sorts last)
+        in_pool = self._attend_in_pool(q_nope, q_rope, cache, selected.sum(1), idx)
+        if in_pool is not None:
+            return in_pool
         latent, rope_key = cache.decode_kv_at(self.layer_id, idx)
         return self._attend_latent_padded(q_nope, q_rope, latent, rope_key, selected)
+
+    def _attend_in_pool(
+        self, q_nope, q_rope, cache, lengths: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """`_attend_latent_padded` through the compiled CPU kernel (`mla_cpu.cpp`), which reads each row's keys from
+        the KV pool through its slot table: no padded [D, L, r] gather, and scores, softmax and the latent sum in one
+        pass per row. Row i attends to its first lengths[i] history positions, or (DSA) to the first lengths[i] of
+        `positions` [D, k]. fp32 eager CPU inference over a plain pool only (else None: the PyTorch ops).
+        Batch 32 of kimi_linear small (histories of 128-576 tokens, 1 thread): 6.3 -> 1.2 ms a layer."""
+        if q_nope.dtype != torch.float32 or not cpu_kernels.inference_on_cpu(q_nope):
+            return None
+        pool = cache.decode_pool(self.layer_id)
+        if pool is None or pool[0].dtype != torch.float32 or (kernels := cpu_kernels.module()) is None:
+            return None
+        latent, rope_key, slots = pool
+        if positions is not None:
+            slots = slots.gather(1, positions)
+        w = self._absorb_weights(torch.float32)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()  # [D, H, r]
+        q_rope = q_rope.contiguous() if self.rope_dim else q_nope.new_zeros(*q_nope.shape[:2], 0)
+        out_latent = kernels.mla_decode_fp32(
+            q_latent, q_rope, latent, rope_key, slots.long(), lengths.long().contiguous(), self.scale
+        )
+        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _attend_latent_padded(self, q_nope, q_rope, latent, rope_key, allowed) -> torch.Tensor:
         """Absorbed attention of one query per sequence over its own keys: latents [B, L, r], allowed [B, L].

@@ -25,7 +25,7 @@ GATHERED_MAX_PAIRS = 16
 # more rows amortise the grouped GEMM's packing and MKL's blocking wins. The kernel runs on one thread: with more,
 # only calls of at most KERNEL_THREADED_MAX_MACS multiply-adds take it (kimi_linear small's batch-1 step, 590K, was
 # 0.75 ms slower on 2 threads through the kernel than through MKL; kestrel-mini's, 98K, 0.13 ms faster).
-KERNEL_MAX_PAIRS = 16
+KERNEL_MAX_PAIRS = 128
 KERNEL_THREADED_MAX_MACS = 300_000
 
 
