@@ -36,11 +36,12 @@ class DraftKV:
     def write(self, positions: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Keys/values [T, H, d] per layer of committed tokens at `positions` [T] (only the last `capacity`)."""
         keep = slice(max(0, positions.shape[0] - self.capacity), None)
-        idx = positions[keep] % self.capacity
+        idx = positions[keep] % self.capacity  # distinct: at most `capacity` consecutive positions
+        # index_copy_ copies whole rows; advanced-index assignment goes element by element on CPU
         for layer, (k, v) in enumerate(kv):
-            self.k[layer, idx] = k[keep].to(self.k.dtype)
-            self.v[layer, idx] = v[keep].to(self.v.dtype)
-        self.valid[idx] = True
+            self.k[layer].index_copy_(0, idx, k[keep].to(self.k.dtype))
+            self.v[layer].index_copy_(0, idx, v[keep].to(self.v.dtype))
+        self.valid.index_fill_(0, idx, True)
 
 
 def gather(contexts: list[DraftKV]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
