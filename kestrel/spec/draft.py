@@ -132,18 +132,24 @@ class DraftAttention(nn.Module):
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
         ctx_mask: torch.Tensor,
+        first: int = 0,
     ) -> torch.Tensor:
-        """x [N, B, d] blocks; ctx_k [N, L, H, dk], ctx_v [N, L, H, dv], ctx_mask [N, L] (True = visible)."""
+        """x [N, B, d] blocks; ctx_k [N, L, H, dk], ctx_v [N, L, H, dv], ctx_mask [N, L] (True = visible).
+
+        Every row is a key/value; only rows from `first` on are queries, and the output is theirs [N, B - first, d]
+        (the last layer needs no output for a block's first row: it proposes nothing)."""
         n, b, _ = x.shape
         flat = x.reshape(n * b, -1)
         c, s = cos.reshape(n * b, -1), sin.reshape(n * b, -1)
-        q = self.q_proj(flat).view(n * b, self.n_heads, self.nope + self.rope_dim)
-        q = torch.cat([q[..., : self.nope], apply_rope_interleaved(q[..., self.nope :], c, s)], dim=-1)
         k, v = self.kv(flat, c, s)
+        bq = b - first
+        xq, cq, sq = (t[:, first:].reshape(n * bq, -1) for t in (x, cos, sin))
+        q = self.q_proj(xq).view(n * bq, self.n_heads, self.nope + self.rope_dim)
+        q = torch.cat([q[..., : self.nope], apply_rope_interleaved(q[..., self.nope :], cq, sq)], dim=-1)
         # One softmax over the context's and the block's scores (bidirectional in the block), the two halves
         # multiplied separately: the context is never copied into a [context; block] tensor, and no
         # scaled_dot_product_attention (dk != dv sends it to its unfused math path: 0.2 ms a layer at 250 tokens).
-        q = (q * self.scale).view(n, b, self.n_heads, -1).transpose(1, 2)  # [N, H, B, dk]
+        q = (q * self.scale).view(n, bq, self.n_heads, -1).transpose(1, 2)  # [N, H, Bq, dk]
         ctx_scores = torch.matmul(q, ctx_k.permute(0, 2, 3, 1)).masked_fill(~ctx_mask[:, None, None, :], -torch.inf)
         own_scores = torch.matmul(q, k.view(n, b, self.n_heads, -1).permute(0, 2, 3, 1))
         probs = torch.cat([ctx_scores, own_scores], dim=-1).softmax(dim=-1)
@@ -151,7 +157,7 @@ class DraftAttention(nn.Module):
         out = torch.matmul(probs[..., :width], ctx_v.transpose(1, 2)).add_(
             torch.matmul(probs[..., width:], v.view(n, b, self.n_heads, -1).transpose(1, 2))
         )
-        return self.o_proj(out.transpose(1, 2).reshape(n, b, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(n, bq, -1))
 
 
 class DraftMLP(nn.Module):
@@ -173,8 +179,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, first: int = 0) -> torch.Tensor:
+        """Rows `first`.. of the layer's output (see `DraftAttention.forward`)."""
+        h = x[:, first:] + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, first)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -244,9 +251,10 @@ class DFlashDraft(nn.Module):
         positions = start[:, None] + torch.arange(block, device=start.device)
         cos, sin = self.rotary(positions.reshape(-1), x.dtype)
         cos, sin = cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
-        for layer, (k, v) in zip(self.layers, ctx):
-            x = layer(x, cos, sin, k, v, ctx_mask)
-        return target.logits(target.model.norm(x[:, 1:]))
+        last = len(self.layers) - 1
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx)):
+            x = layer(x, cos, sin, k, v, ctx_mask, first=1 if i == last else 0)  # the last: the mask rows only
+        return target.logits(target.model.norm(x))
 
 
 def save_draft(draft: DFlashDraft, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:

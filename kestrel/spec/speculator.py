@@ -9,6 +9,7 @@ back to the accepted prefix, frees rejected pages and writes the committed token
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -191,11 +192,11 @@ class DFlashSpeculator:
             n = accepted.get(i, c.num_tokens)
             seqs.append((c, n))
             rows.extend(range(sl.start, sl.start + n))
-        rows_t = torch.tensor(rows, device=batch.input_ids.device)
-        feats = self.draft.context({k: h[rows_t] for k, h in batch.captured.items()})
-        positions = batch.positions[rows_t]
+        pick = _row_picker(rows, batch.input_ids.device)
+        feats = self.draft.context({k: pick(h) for k, h in batch.captured.items()})
+        positions = pick(batch.positions)
         if self.context_pool is not None:
-            self.context_pool.write(batch.cache.write_slots[rows_t], batch.input_ids[rows_t], positions, feats)
+            self.context_pool.write(pick(batch.cache.write_slots), pick(batch.input_ids), positions, feats)
         kv = self.draft.context_kv(feats, positions)
         at = 0
         for c, n in seqs:
@@ -248,3 +249,13 @@ class DFlashSpeculator:
             "spec_committed_tokens": self.num_committed,
             "spec_accept_length": self.num_committed / steps if steps else 0.0,
         }
+
+
+def _row_picker(rows: list[int], device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function taking these rows (ascending) of a tensor: a view when they are one run (a lone request's block),
+    else one `index_select` (CPU advanced indexing copies element by element)."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1:
+        run = slice(rows[0], rows[-1] + 1)
+        return lambda t: t[run]
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    return lambda t: t.index_select(0, index)
