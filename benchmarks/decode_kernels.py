@@ -15,28 +15,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from report import write_result
+from timing import median_seconds
 
 from kestrel.models.layers import cpu_kernels, mla, moe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_kernels.json"
 HEADS, RANK, ROPE, SCALE = 6, 128, 32, 0.1
 EXPERTS, HIDDEN, INTER, TOP_K = 12, 384, 128, 4
-
-
-def median_us(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def mla_calls(batch: int, gen: torch.Generator) -> tuple[Callable, Callable]:
@@ -88,8 +79,8 @@ def op_rows(repeats: int, calls: int) -> list[dict]:
     for name, size, torch_form, kernel in cases:
         got: dict[str, list[float]] = {"torch": [], "kernel": []}
         for _ in range(repeats):
-            got["torch"].append(median_us(torch_form, calls))
-            got["kernel"].append(median_us(kernel, calls))
+            got["torch"].append(median_seconds(torch_form, calls) * 1e6)
+            got["kernel"].append(median_seconds(kernel, calls) * 1e6)
         t, k = statistics.median(got["torch"]), statistics.median(got["kernel"])
         label = f"batch {size}" if name == "mla" else f"{size * TOP_K} pairs"
         rows.append({"op": name, "size": label, "torch_us": t, "kernel_us": k, "ratio": t / k})
@@ -124,7 +115,7 @@ def engine_row(repeats: int, steps: int) -> dict:
         for _ in range(repeats):
             for name in ("torch", "kernel"):
                 use(name == "kernel")
-                got[name].append(median_us(engine.step, steps) / 1e3)
+                got[name].append(median_seconds(engine.step, steps) * 1e3)
     finally:
         use(True)
     t, k = statistics.median(got["torch"]), statistics.median(got["kernel"])

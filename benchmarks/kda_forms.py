@@ -12,30 +12,18 @@ medians of repeated calls, both forms in the same run; read the chunked/loop col
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from report import write_result
+from timing import median_seconds
 
 from kestrel.models.layers.kda import CHUNK_SIZE
 from kestrel.models.layers.kda_ops import kda_chunked_packed, kda_steps
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kda_forms.json"
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def forms(b: int, t: int, heads: int, dim: int, seed: int) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -76,7 +64,7 @@ def main() -> None:
         for b in map(int, args.sequences.split(",")):
             for t in map(int, args.tokens.split(",")):
                 loop, chunked = forms(b, t, args.heads, args.head_dim, seed=b * 1000 + t)
-                lm, cm = median_ms(loop, args.repeats), median_ms(chunked, args.repeats)
+                lm, cm = median_seconds(loop, args.repeats, 2) * 1e3, median_seconds(chunked, args.repeats, 2) * 1e3
                 rows.append(dict(sequences=b, tokens=t, loop_ms=round(lm, 3), chunked_ms=round(cm, 3)))
                 print(f"{b:>5} {t:>7} {lm:>9.2f} {cm:>11.2f} {cm / lm:>12.2f}x")
     write_result(RESULTS, "kda_forms", heads=args.heads, head_dim=args.head_dim, rows=rows)
