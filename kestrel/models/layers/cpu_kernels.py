@@ -2,7 +2,9 @@
 
 Why: a decode step or a verify block of a small model spends its time on op dispatch, not arithmetic. A few loops
 that PyTorch would run as dozens of tiny ATen ops a layer are written in C++ instead: KDA's token loop and its conv
-(`kda_cpu.cpp`, used by `kda_kernel`) and the routed experts of a small batch (`experts_cpu.cpp`, used by `moe`).
+(`kda_cpu.cpp`, used by `kda_kernel`), the routed experts of a decode-sized batch (`experts_cpu.cpp`, used by `moe`)
+and MLA decode attention read from the KV pool (`mla_cpu.cpp`, used by `mla`); `cpu_common.cpp` holds what they
+share.
 
 Built by `torch.utils.cpp_extension` (g++ and ninja) into torch's extensions folder by `make setup`, or else the
 first time an engine starts on CPU (~25 s, then a cached load of well under a second). Used only for fp32 CPU
@@ -25,7 +27,10 @@ import torch
 from kestrel.models.layers import batch_invariant
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("kda_cpu.cpp", "experts_cpu.cpp", "mla_cpu.cpp")]
+# One translation unit, in this order: cpu_common.cpp first (the shared helpers the others use).
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_common.cpp", "kda_cpu.cpp", "experts_cpu.cpp", "mla_cpu.cpp")
+]
 FUNCTIONS = [
     "kda_steps_fp32",
     "kda_varlen_fp32",

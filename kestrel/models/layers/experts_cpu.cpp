@@ -3,30 +3,16 @@
 // weight row read once per call), in place of a grouped GEMM that visits idle experts and packs weights for a
 // handful of rows. The activation between the two halves stays in PyTorch (vectorised tanh/exp).
 //
-// Every dot product has one fixed summation order (16 lanes, then the lanes in order), whatever the batch, the
+// Every dot product has one fixed summation order (16 lanes, then the lanes as a tree), whatever the batch, the
 // blocking or the thread split: a token's output never depends on the other tokens of its batch.
 #include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
-#include <cmath>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 16;
-// The 16 lanes summed as a tree: halves, quarters, eighths, then the last pair (the order of AVX-512's
-// reduce_add, which the vector path uses). A fixed order, and no 16-add dependency chain per output.
-inline float lane_sum(const float* lane) {
-  float h[8], q[4];
-  for (int j = 0; j < 8; ++j) h[j] = lane[j] + lane[j + 8];
-  for (int j = 0; j < 4; ++j) q[j] = h[j] + h[j + 4];
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
+using kestrel_cpu::kLanes;
+using kestrel_cpu::lane_sum;
 
 constexpr int kRowBlock = 6;     // rows of one expert multiplied together (kept in registers)
 constexpr int kWeightBlock = 4;  // weight rows multiplied together: a tile of 4 x 6 accumulators
@@ -72,22 +58,13 @@ inline void tile(const float* w, int64_t w_stride, const float* const* rows, int
     }
 }
 
-// Any number of rows against NW weight rows: tiles of kRowBlock rows, then one tile for the remainder.
+// Any number of rows against NW weight rows: tiles of kRowBlock rows, then one tile of the remainder.
 template <int NW>
 inline void tile_rows(const float* w, int64_t w_stride, const float* const* rows, int64_t count, int64_t n,
                       float* out, int64_t out_stride) {
-  int64_t m = 0;
-  for (; m + kRowBlock <= count; m += kRowBlock)
-    tile<NW, kRowBlock>(w, w_stride, rows + m, n, out + m * out_stride, out_stride);
-  float* o = out + m * out_stride;
-  switch (count - m) {
-    case 5: tile<NW, 5>(w, w_stride, rows + m, n, o, out_stride); break;
-    case 4: tile<NW, 4>(w, w_stride, rows + m, n, o, out_stride); break;
-    case 3: tile<NW, 3>(w, w_stride, rows + m, n, o, out_stride); break;
-    case 2: tile<NW, 2>(w, w_stride, rows + m, n, o, out_stride); break;
-    case 1: tile<NW, 1>(w, w_stride, rows + m, n, o, out_stride); break;
-    default: break;
-  }
+  kestrel_cpu::in_blocks<kRowBlock>(count, [&](auto m, int64_t at) {
+    tile<NW, decltype(m)::value>(w, w_stride, rows + at, n, out + at * out_stride, out_stride);
+  });
 }
 
 // Flat pair indices (t * k + j) sorted by expert id, tokens in order within an expert: a counting sort. `start` gets
@@ -125,11 +102,7 @@ void grouped_rows(const float* wp, int64_t O, int64_t D, const std::vector<int64
       for (; o < o_end; ++o) tile_rows<1>(we + o * D, D, xs, count, D, ye + o, O);
     }
   };
-  if (P * O * D < (int64_t(1) << 20)) {
-    body(0, O);
-    return;
-  }
-  at::parallel_for(0, O, 4 * kWeightBlock, body);
+  kestrel_cpu::split(O, P * O * D, body, 4 * kWeightBlock);
 }
 
 }  // namespace

@@ -51,17 +51,7 @@ inline void kda_token(float* S, const float* qt, const float* kt, const float* g
   }
 }
 
-// Runs fn(begin, end) over [0, n) on torch's intra-op threads (at::parallel_for: its OpenMP pool, no threads of our
-// own to fight its spinning workers) when the work pays for a parallel region (a prefill, a large decode batch), else
-// inline (a decode step or verify block of a few sequences).
-template <typename F>
-void split(int64_t n, int64_t work, const F& fn) {
-  if (work < (int64_t(1) << 19)) {
-    fn(0, n);
-    return;
-  }
-  at::parallel_for(0, n, 1, fn);
-}
+using kestrel_cpu::split;
 
 // conv_w [3C, W] as taps-major [W, 3C], so every tap's channels are contiguous.
 std::vector<float> taps_major(const at::Tensor& conv_w) {

@@ -4,41 +4,15 @@
 // row is loaded once per head group). A row's result depends only on its own history, never on the batch.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 // Named, not anonymous: load_inline compiles every kernel file as one translation unit.
 namespace mla_detail {
 
-constexpr int kLanes = 16;
-
-// sum of a[i] * b[i]: 16 lane partial sums of fused multiply-adds, the lanes summed as a tree, then the tail.
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float s;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + kLanes <= n; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  s = _mm512_reduce_add_ps(acc);
-#else
-  float lane[kLanes] = {0.f};
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] = std::fma(a[i + j], b[i + j], lane[j]);
-  float h[8], q[4];
-  for (int j = 0; j < 8; ++j) h[j] = lane[j] + lane[j + 8];
-  for (int j = 0; j < 4; ++j) q[j] = h[j] + h[j + 4];
-  s = (q[0] + q[2]) + (q[1] + q[3]);
-#endif
-  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
-  return s;
-}
+using kestrel_cpu::dot;
+using kestrel_cpu::kLanes;
 
 // Scores of HB heads at one cached row: s[h] = q_lat[h] . c + q_rope[h] . k, one accumulator per head (HB
 // independent FMA chains sharing every load of the row), each reduced as a tree.
@@ -81,22 +55,6 @@ inline void head_values(const float* p, int64_t p_stride, const float* c, float*
     for (int64_t j = i; j < R; ++j) out[h * R + j] = std::fma(p[h * p_stride], c[j], out[h * R + j]);
 }
 
-template <typename F>
-inline void by_head_blocks(int64_t H, const F& fn) {
-  int64_t h = 0;
-  for (; h + 8 <= H; h += 8) fn(std::integral_constant<int, 8>{}, h);
-  switch (H - h) {
-    case 7: fn(std::integral_constant<int, 7>{}, h); break;
-    case 6: fn(std::integral_constant<int, 6>{}, h); break;
-    case 5: fn(std::integral_constant<int, 5>{}, h); break;
-    case 4: fn(std::integral_constant<int, 4>{}, h); break;
-    case 3: fn(std::integral_constant<int, 3>{}, h); break;
-    case 2: fn(std::integral_constant<int, 2>{}, h); break;
-    case 1: fn(std::integral_constant<int, 1>{}, h); break;
-    default: break;
-  }
-}
-
 }  // namespace mla_detail
 
 // q_latent [B, H, r] (q_nope folded through W_UK), q_rope [B, H, dr], latent pool [S, r], rope-key pool [S, dr],
@@ -133,7 +91,7 @@ at::Tensor mla_decode_fp32(const at::Tensor& q_latent, const at::Tensor& q_rope,
       for (int64_t l = 0; l < n; ++l) {
         const float* c = cp + sl[l] * lat_stride;
         const float* k = kp + sl[l] * rope_stride;
-        by_head_blocks(H, [&](auto hb, int64_t h0) {
+        kestrel_cpu::in_blocks<8>(H, [&](auto hb, int64_t h0) {
           head_scores<decltype(hb)::value>(ql + h0 * R, qrb + h0 * DR, R, DR, c, k, scores.data() + h0 * n + l, n);
         });
       }
@@ -149,15 +107,12 @@ at::Tensor mla_decode_fp32(const at::Tensor& q_latent, const at::Tensor& q_rope,
       float* ob = op + b * H * R;
       for (int64_t l = 0; l < n; ++l) {
         const float* c = cp + sl[l] * lat_stride;
-        by_head_blocks(H, [&](auto hb, int64_t h0) {
+        kestrel_cpu::in_blocks<8>(H, [&](auto hb, int64_t h0) {
           head_values<decltype(hb)::value>(scores.data() + h0 * n + l, n, c, ob + h0 * R, R);
         });
       }
     }
   };
-  if (work < (int64_t(1) << 19) || B == 1)
-    rows(0, B);
-  else
-    at::parallel_for(0, B, 1, rows);
+  kestrel_cpu::split(B, work, rows);
   return out;
 }

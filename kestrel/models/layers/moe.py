@@ -256,9 +256,10 @@ def expert_pairs_kernel(
     down_proj: torch.Tensor,
     act: GatedActivation,
 ) -> torch.Tensor:
-    """`expert_segments` for a few pairs through the compiled CPU kernel (`experts_cpu.cpp`): each pair's gate|up and
-    down rows as dot products (no grouped GEMM over idle experts, no sort/scatter ops), the activation in PyTorch,
-    and each token's terms added in ascending expert id from zero (as `expert_pairs`)."""
+    """`expert_segments` for up to `KERNEL_MAX_PAIRS` pairs through the compiled CPU kernel (`experts_cpu.cpp`): the
+    pairs grouped by expert and multiplied in register tiles against that expert's weight rows (no grouped GEMM over
+    idle experts, no sort/scatter ops), the activation in PyTorch, and each token's terms added in ascending expert
+    id from zero (as `expert_pairs`)."""
     kernels = cpu_kernels.module()
     ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
     rows, order = kernels.expert_pairs_up_fp32(x, ids, gate_up_proj)
