@@ -200,6 +200,27 @@ def test_gradients_flow() -> None:
         assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
 
 
+def test_gradcheck_packed_float64() -> None:
+    """The packed varlen form under autograd (SFT trains through it): two sequences of 5 and 3 tokens in chunks of 2,
+    a mid-sequence segment end, every input and both initial states checked against finite differences."""
+    C, lens = 2, [5, 3]
+    seqs = [make_inputs(B=1, T=T, H=1, K=3, V=3, dtype=torch.float64, seed=s) for s, T in enumerate(lens)]
+    rows, at = [], 0
+    for T in lens:
+        rows += range(at, at + T)
+        at += -(-T // C) * C
+    index = torch.tensor(rows)
+    flat = [torch.cat([prepped(x)[i][0] for x in seqs]).clone().requires_grad_(True) for i in range(5)]
+    inits = torch.cat([x["state"] for x in seqs]).clone().requires_grad_(True)
+
+    def f(q, k, v, g, beta, s0):
+        packed = [t.new_zeros(at, *t.shape[1:]).index_copy(0, index, t) for t in (q, k, v, g, beta)]
+        o, states = kda_chunked_packed(*packed, s0, [0, 3], [1, 2, 4], chunk_size=C)
+        return o[index], states
+
+    assert torch.autograd.gradcheck(f, (*flat, inits), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
 @pytest.mark.parametrize("chunk_size", [2, 4, 6])
 def test_gradcheck_float64(chunk_size: int) -> None:
     """fp64 in -> fp64 math, so finite differences are exact enough. T=5 with chunk 2/4 covers several chunks, padding

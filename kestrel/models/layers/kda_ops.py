@@ -297,16 +297,18 @@ def kda_chunked_packed(
     [len(segment_ends), H, K, V]).
     """
     terms = packed_chunk_terms(q, k, v, g, beta, chunk_size)
-    M, N_ = terms.M[0], terms.N[0]  # [H, Nc, K, K], [H, Nc, K, V]
-    inits = initial_states.to(M.dtype)
+    # Unbound once, not indexed per chunk: under autograd each index's backward would write a zero gradient the size
+    # of all chunks (quadratic in the chunk count); unbind's backward stacks the pieces once.
+    Ms, Ns = terms.M[0].unbind(1), terms.N[0].unbind(1)  # Nc x [H, K, K], Nc x [H, K, V]
+    inits = initial_states.to(Ms[0].dtype).unbind(0)
     begins = dict(zip(first_chunks, range(len(first_chunks))))
     wanted = set(segment_ends)
     starts, ends, state = [], {}, inits[0]
-    for n in range(M.shape[1]):
+    for n in range(len(Ms)):
         if n in begins:
             state = inits[begins[n]]
         starts.append(state)
-        state = M[:, n] @ state + N_[:, n]
+        state = Ms[n] @ state + Ns[n]
         if n in wanted:
             ends[n] = state
     return packed_outputs(terms, torch.stack(starts, dim=1)), torch.stack([ends[n] for n in segment_ends])
