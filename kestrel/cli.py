@@ -221,6 +221,7 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
         ship=args.ship,
         lora_rank=args.lora_rank,
         pretrain_minutes=args.pretrain_minutes,
+        tower_from=args.tower_from,
     )
     state = trainer.state
     print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
@@ -429,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="vision: pretrain the tower as a classifier first, for this long (0: skip; default: the stage's)",
+    )
+    tr.add_argument(
+        "--tower-from",
+        default=None,
+        help="vision: reuse this seeing model's pretrained tower instead of pretraining one (a retrained text model "
+        "needs only stage 1 again)",
     )
     tr.add_argument("--out", default=None, help="default: out/sft-mini, out/dflash-mini or out/vision-mini")
     tr.add_argument("--steps", type=int, default=None)

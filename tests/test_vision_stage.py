@@ -198,3 +198,23 @@ def test_tower_pretraining_moves_only_tower_and_projector_resumes_and_feeds_stag
         assert not p.requires_grad and torch.equal(p, pretrained[name]), name
     assert any(p.grad is not None for p in trainer.model.mm_projector.parameters())
     assert text_weights_sha256(out / "checkpoint") == text_weights_sha256(base)
+
+    # `--tower-from`: a retrained text model reuses the shipped pretrained tower (the tower never read the text
+    # model) and runs stage 1 only; the tower stays frozen and the record of its pretraining is carried over.
+    source = tmp_path / "seeing"
+    shutil.copytree(base, source)
+    ship_vision(trainer, source, "tiny", source, pretrained={"steps": 2, "minutes": 0.0, "held_out_accuracy": {}})
+    again = run_vision_stage("tiny", base, tmp_path / "again", steps=1, tower_from=source)
+    assert not (tmp_path / "again" / "pretrain").exists() and again.state.step == 1
+    for name, p in again.model.vision_tower.named_parameters():
+        assert not p.requires_grad and torch.equal(p, pretrained[name]), name
+    assert any(p.grad is not None for p in again.model.mm_projector.parameters())
+    target = tmp_path / "reshipped"
+    shutil.copytree(base, target)
+    from kestrel.train.vision_stage import reuse_tower
+
+    ship_vision(again, target, "tiny", target, pretrained=reuse_tower(again.model, source))
+    record = json.loads((target / "training_summary.json").read_text())["vision"]["tower_pretraining"]
+    assert record["steps"] == 2 and record["from"] == "seeing"
+    with pytest.raises(ValueError, match="records no pretrained tower"):
+        run_vision_stage("tiny", base, tmp_path / "none", steps=1, tower_from=base)

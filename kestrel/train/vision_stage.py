@@ -105,9 +105,13 @@ def run_vision_stage(
     lora_rank: int | None = None,
     pretrain_minutes: float | None = None,
     pretrain_steps: int | None = None,
+    tower_from: str | Path | None = None,
 ) -> SFTTrainer:
     """Train the stage into `out_dir` (resumable): the tower's pretraining if the stage (or `pretrain_*`) asks for
-    it, in `out_dir/pretrain`, then stage 1; with a LoRA rank, its adapter lands in `out_dir/adapter`."""
+    it, in `out_dir/pretrain`, then stage 1; with a LoRA rank, its adapter lands in `out_dir/adapter`.
+
+    `tower_from`: a seeing model whose pretrained tower this stage reuses instead of pretraining one. The tower's
+    pretraining never reads the text model, so a retrained text model needs only stage 1 again."""
     stage = copy.deepcopy(VISION_STAGES[stage_name])
     if steps is not None:
         stage.sft.steps = steps
@@ -133,15 +137,19 @@ def run_vision_stage(
     torch.manual_seed(stage.sft.seed)
     model, config, tok = vision_stage_model(base_dir, stage.tower, stage.sft.seed)
     pretrained = None
-    if stage.pretrain is not None:
-        pretrained = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train()
-        log.info("tower pretrained: held-out accuracy %s", pretrained.accuracy[-1][1])
+    if tower_from is not None:
+        pretrained = reuse_tower(model, model_dir(tower_from))
+        match_embedding_norm(model)
+    elif stage.pretrain is not None:
+        state = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train()
+        log.info("tower pretrained: held-out accuracy %s", state.accuracy[-1][1])
+        pretrained = pretraining_summary(state)
         match_embedding_norm(model)  # the decoder reads the features at its embeddings' norm, as a fresh tower's
     train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short", kinds=stage.train_kinds)
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
     adapter = vision_adapter(model, stage.lora_rank, stage.sft.seed) if stage.lora_rank else None
     trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model, adapter=adapter)
-    if stage.pretrain is not None:  # LLaVA's stage 1: a pretrained tower stays as it is, the projector learns
+    if pretrained is not None:  # LLaVA's stage 1: a pretrained tower stays as it is, the projector learns
         for p in model.vision_tower.parameters():
             p.requires_grad_(False)
     state = trainer.train()
@@ -151,12 +159,39 @@ def run_vision_stage(
     return trainer
 
 
+def pretraining_summary(state: PretrainState) -> dict:
+    """What a shipped model records of its tower's pretraining."""
+    return {
+        "steps": state.step,
+        "minutes": round(state.seconds / 60, 1),
+        "held_out_accuracy": {k: round(v, 3) for k, v in state.accuracy[-1][1].items()},
+    }
+
+
+def reuse_tower(model: CausalLM, source: Path) -> dict:
+    """Load a seeing model's tower (same shape) into `model` and return the record of its pretraining."""
+    summary_file = source / "training_summary.json"
+    record = json.loads(summary_file.read_text()).get("vision", {}) if summary_file.exists() else {}
+    pretraining = record.get("tower_pretraining")
+    if pretraining is None:
+        raise ValueError(f"tower_from: {source} records no pretrained tower (training_summary.json: vision)")
+    seeing = trained_model(source)[0]
+    if not seeing.has_vision:
+        raise ValueError(f"tower_from: {source} has no vision tower")
+    mine, theirs = model.vision_tower.state_dict(), seeing.vision_tower.state_dict()
+    if {k: v.shape for k, v in mine.items()} != {k: v.shape for k, v in theirs.items()}:
+        raise ValueError(f"tower_from: {source}'s tower ({seeing.cfg.vision}) is not this stage's shape")
+    model.vision_tower.load_state_dict(theirs)
+    log.info("tower taken from %s (pretrained %s steps)", source, pretraining["steps"])
+    return pretraining | {"from": str(source.name)}
+
+
 def ship_vision(
     trainer: SFTTrainer,
     base: Path,
     stage_name: str,
     target: Path = EMBEDDED_DIR,
-    pretrained: PretrainState | None = None,
+    pretrained: dict | None = None,
 ) -> Path:
     """Install tower + projector (and the extended config and tokenizer) into `target`, after checking that the
     language-model tensors written are byte-identical to the base's; a stage's adapter goes to `vision-lora/`
@@ -180,13 +215,7 @@ def ship_vision(
             "held_out_loss": round(trainer.state.eval_loss[-1][1], 4),
             "tower": asdict(VISION_STAGES[stage_name].tower),
             "lora_rank": trainer.adapter.r if trainer.adapter is not None else 0,
-            "tower_pretraining": None
-            if pretrained is None
-            else {
-                "steps": pretrained.step,
-                "minutes": round(pretrained.seconds / 60, 1),
-                "held_out_accuracy": {k: round(v, 3) for k, v in pretrained.accuracy[-1][1].items()},
-            },
+            "tower_pretraining": pretrained,
             "text_weights_sha256": after,
         }
         (staged / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
