@@ -477,3 +477,17 @@ def test_context_pool_rows_are_used_only_for_the_token_and_position_they_were_wr
     got, positions = pool.read(torch.tensor([5, 1, 6, 2]), torch.tensor([10, 99, 12, 13]), torch.tensor([0, 1, 7, 3]))
     assert positions.tolist() == [0]  # slot 1 holds another token, slot 6 another position, slot 2 nothing
     assert torch.equal(got, feats[:1])
+
+
+def test_tied_candidate_draft_and_vision_adapter_were_trained_on_the_candidate():
+    """kestrel/assets/kestrel-mini-tied (GRPO's base in waiting) carries its own draft and vision adapter: both must
+    record its text weights, so a retrained candidate without them fails here."""
+    from kestrel.engine.vision_adapter import adapter_mismatch
+    from kestrel.models.builtin import EMBEDDED_DIR
+    from kestrel.models.checkpoint import text_weights_sha256
+
+    candidate = EMBEDDED_DIR.parent / "kestrel-mini-tied"
+    cfg = json.loads((candidate / "dflash" / "config.json").read_text())
+    assert cfg["target_sha256"] == text_weights_sha256(candidate) != text_weights_sha256(EMBEDDED_DIR)
+    assert adapter_mismatch(candidate) is None
+    assert json.loads((candidate / "config.json").read_text())["tie_word_embeddings"] is True

@@ -44,7 +44,7 @@ def test_mini_tied_is_mini_plus_the_three_copy_fixes() -> None:
     assert tied.data[: len(mini.data)] == mini.data and [s.name for s in tied.data[len(mini.data) :]] == ["copy_random"]
     same = ("hidden", "layers", "experts", "vocab_target", "train_episodes", "eval_episodes")
     assert [getattr(mini, f) for f in same] == [getattr(tied, f) for f in same]
-    assert tied.sft is not mini.sft and (tied.sft.steps, tied.sft.max_minutes) == (mini.sft.steps, mini.sft.max_minutes)
+    assert tied.sft is not mini.sft and tied.sft.steps > mini.sft.steps  # the fixes need a longer schedule
 
 
 def test_continued_recipe_starts_from_the_base_and_warms_up_dense_then_sparse(tmp_path, monkeypatch) -> None:
