@@ -139,11 +139,11 @@ def run_vision_stage(
     pretrained = None
     if tower_from is not None:
         pretrained = reuse_tower(model, model_dir(tower_from))
-        match_embedding_norm(model)
     elif stage.pretrain is not None:
         state = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train()
         log.info("tower pretrained: held-out accuracy %s", state.accuracy[-1][1])
         pretrained = pretraining_summary(state)
+    if pretrained is not None:
         match_embedding_norm(model)  # the decoder reads the features at its embeddings' norm, as a fresh tower's
     train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short", kinds=stage.train_kinds)
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
@@ -183,7 +183,7 @@ def reuse_tower(model: CausalLM, source: Path) -> dict:
         raise ValueError(f"tower_from: {source}'s tower ({seeing.cfg.vision}) is not this stage's shape")
     model.vision_tower.load_state_dict(theirs)
     log.info("tower taken from %s (pretrained %s steps)", source, pretraining["steps"])
-    return pretraining | {"from": str(source.name)}
+    return pretraining | {"from": source.name}
 
 
 def ship_vision(
