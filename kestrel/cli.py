@@ -231,7 +231,8 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
     return 0
 
 
-RL_OVERRIDES = ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "lr", "seed", "eval_every")
+RL_OVERRIDES = ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "minibatches", "lr", "seed")
+RL_OVERRIDES += ("eval_every", "threads", "engine_threads")
 RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
 RL_OVERRIDES += RL_CLIP_OVERRIDES
 
@@ -454,12 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     rl = add_command(sub, "rl", "GRPO: train a LoRA adapter on verifiable rewards, rollouts from engines over HTTP")
     rl.add_argument("--recipe", default="mini", choices=list(RL_RECIPES))
-    rl.add_argument("--model", default=None, help="base checkpoint (default: the recipe's, the embedded kestrel-mini)")
+    rl.add_argument("--model", default=None, help="base checkpoint (default: the recipe's; mini: kestrel-mini-tied)")
     rl.add_argument("--out", default=None, help="default: out/rl-RECIPE (resumes from it)")
     rl.add_argument("--steps", type=int, default=None)
     rl.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this much wall time")
     rl.add_argument("--prompts-per-step", type=int, default=None, help="groups per step")
     rl.add_argument("--samples-per-prompt", type=int, default=None, help="GRPO's group size n")
+    rl.add_argument("--minibatches", type=int, default=None, help="optimizer steps per step's rollouts (groups split)")
     rl.add_argument("--lr", type=float, default=None)
     rl.add_argument("--seed", type=int, default=None, help="prompts and sampling seeds")
     rl.add_argument("--eval-every", type=int, default=None, help="held-out accuracy every N steps (0: never)")
@@ -468,6 +470,15 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--tis-cap", type=float, default=None, help="truncated importance weights: min(w, cap)")
     rl.add_argument("--kl-coef", type=float, default=None, help="k3 KL to the base in the loss (0: off)")
     rl.add_argument("--nproc", type=int, default=1, help="data-parallel trainer ranks (one process each)")
+    rl.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of each trainer rank (default: 1; the engine and the trainer take turns)",
+    )
+    rl.add_argument(
+        "--engine-threads", type=int, default=None, help="torch threads of the engine it starts (default: --threads)"
+    )
     rl.add_argument(
         "--rollout-url",
         nargs="+",

@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,15 +27,17 @@ from kestrel.cli import main
 from kestrel.config import ConfigError, load_model_config
 from kestrel.dist.groups import ParallelLayout, single_groups
 from kestrel.dist.launch import RankFailure, free_port
+from kestrel.models.builtin import TIED_DIR
 from kestrel.models.checkpoint import make_model, text_weights_sha256
 from kestrel.models.loader import load_model
 from kestrel.models.lora import load_peft
+from kestrel.server.generate import json_float
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
 from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
-from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum
+from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum, check_finite
 from kestrel.train.routing_replay import sequence_logprobs
 from kestrel.train.synth.arithmetic import arithmetic_episode
 from kestrel.train.synth.episode import TRAIN
@@ -183,6 +186,7 @@ def test_every_step_has_bit_identical_logprobs_and_rollouts_on_the_adapter_just_
     shipped = ship_adapter(job, state, "tiny", out / "shipped")
     summary = json.loads((shipped / SUMMARY_FILE).read_text())
     assert summary["base_sha256"] == text_weights_sha256(job.model_path) and summary["steps"] == 3
+    assert summary["base_model"] == str(job.model)  # a folder outside the package: recorded as given
     assert load_peft(shipped).checksum == adapter_checksum(out / "adapter")
 
 
@@ -194,6 +198,17 @@ def test_a_rollout_on_another_adapter_version_stops_the_step(tiny, engine, tmp_p
     with pytest.raises(RolloutError, match="foreign"):
         trainer.train_step()
     trainer.client.close()
+
+
+def test_a_non_finite_logprob_is_sent_as_null_and_stops_the_step():
+    """A diverged policy's NaN / inf logprobs: the engine's JSON carries null (not an encoding error, HTTP 500) and
+    the trainer stops naming the token, instead of training on NaN."""
+    assert json_float(float("nan")) is None and json_float(float("-inf")) is None and json_float(-1.5) == -1.5
+    ok = {"meta_info": {"id": "a", "output_token_logprobs": [[-0.5, 3, None]]}}
+    check_finite([[ok]])
+    bad = {"meta_info": {"id": "b", "output_token_logprobs": [[-0.5, 3, None], [None, 4, None]]}}
+    with pytest.raises(RolloutError, match="rollout b: token 1 has a non-finite logprob"):
+        check_finite([[ok, bad]])
 
 
 def test_the_reference_pass_is_the_base_and_the_policy_pass_is_the_engine(tiny, engine, tmp_path, three_steps):
@@ -271,12 +286,24 @@ def test_cli_rl_starts_its_own_engine_trains_on_two_ranks_and_stops_it(tiny, tmp
 def test_cli_rl_trains_against_the_engines_it_is_given(tiny, engine, tmp_path, capsys):
     out = tmp_path / "given"
     argv = ["rl", "--recipe", "tiny", "--model", tiny, "--rollout-url", engine, "--out", str(out), "--steps", "1"]
+    # The trainer on 2 threads, the engine on 1: batch-invariant logprobs do not depend on the thread count either.
+    argv += ["--threads", "2", "--minibatches", "1"]
     assert main([*argv, "--eval-every", "0", "--kl-coef", "0", "--samples-per-prompt", "3"]) == 0
     saved = json.loads((out / "rl_config.json").read_text())
     assert (saved["steps"], saved["eval_every"], saved["samples_per_prompt"], saved["clip"]["kl_coef"]) == (1, 0, 3, 0)
+    assert (saved["threads"], saved["minibatches"]) == (2, 1)
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["ref_k3"] is None and row["train_rollout_logprob_abs_diff"] == 0.0
+    assert row["train_rollout_logprob_abs_diff_max"] == 0.0 and row["trained_tokens"] > 0
     assert not (out / "engine.log").exists()  # no engine of its own
+
+
+def test_the_mini_recipe_adapts_the_tied_candidate_within_its_budget():
+    """The shipped recipe's base is the tied retrain (its calls can earn a reward), named by its asset folder."""
+    mini = RL_RECIPES["mini"]
+    assert Path(mini.model) == TIED_DIR and (TIED_DIR / "tokenizer.json").exists()
+    assert mini.config.max_minutes <= 40 and mini.config.deterministic
+    check_config(mini.config)
 
 
 @pytest.mark.parametrize(
@@ -289,6 +316,7 @@ def test_cli_rl_trains_against_the_engines_it_is_given(tiny, engine, tmp_path, c
         ({"clip": ClipConfig(tis_cap=0.5)}, "clip.tis_cap"),
         ({"clip": ClipConfig(kl_coef=-1.0)}, "clip.kl_coef"),
         ({"lora_targets": ()}, "lora_targets"),
+        ({"engine_threads": 0}, "engine_threads"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(change, name):

@@ -483,10 +483,10 @@ def test_tied_candidate_draft_and_vision_adapter_were_trained_on_the_candidate()
     """kestrel/assets/kestrel-mini-tied (GRPO's base in waiting) carries its own draft and vision adapter: both must
     record its text weights, so a retrained candidate without them fails here."""
     from kestrel.engine.vision_adapter import adapter_mismatch
-    from kestrel.models.builtin import EMBEDDED_DIR
+    from kestrel.models.builtin import EMBEDDED_DIR, TIED_DIR
     from kestrel.models.checkpoint import text_weights_sha256
 
-    candidate = EMBEDDED_DIR.parent / "kestrel-mini-tied"
+    candidate = TIED_DIR
     cfg = json.loads((candidate / "dflash" / "config.json").read_text())
     assert cfg["target_sha256"] == text_weights_sha256(candidate) != text_weights_sha256(EMBEDDED_DIR)
     assert adapter_mismatch(candidate) is None

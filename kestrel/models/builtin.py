@@ -7,6 +7,8 @@ from pathlib import Path
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "assets" / "kestrel-mini"
 FALLBACK_DIR = Path.home() / ".cache" / "kestrel" / "builtin-tiny-k3"
 EMBEDDED_NAME = "kestrel-mini"
+# The tied-head retrain on the wider SFT data: GRPO's base (its draft and vision adapter inside it), beside the default.
+TIED_DIR = EMBEDDED_DIR.parent / "kestrel-mini-tied"
 
 
 def model_dir(name_or_path: str | Path) -> Path:

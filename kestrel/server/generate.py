@@ -13,6 +13,7 @@ being the whole new result (chunks are cumulative).
 from __future__ import annotations
 
 import base64
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,12 @@ def _finish(reason: str | None, num_tokens: int) -> dict[str, Any] | None:
     return {"type": reason}
 
 
+def json_float(x: float) -> float | None:
+    """A logprob as JSON allows it: NaN or ±inf (a diverged model's logits) become null instead of failing the whole
+    response with an encoding error."""
+    return x if math.isfinite(x) else None
+
+
 @dataclass
 class _Seq:
     """One sequence's output so far: the streamed deltas add up to it; the final output replaces it."""
@@ -160,8 +167,9 @@ class _Seq:
                 meta["spec_verify_ct"] = self.final.spec_verify_ct
                 meta["spec_accept_length"] = self.final.spec_accept_length
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
-            meta["output_top_logprobs"] = [[[v, t, None] for t, v in top or []] for top in self.top_logprobs]
+            meta["output_token_logprobs"] = [[json_float(lp), t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+            tops = self.top_logprobs
+            meta["output_top_logprobs"] = [[[json_float(v), t, None] for t, v in top or []] for top in tops]
         if self.prompt_logprobs is not None:
             # SGLang's layout: one entry per input position from logprob_start_len; position 0 has no logprob.
             entries = self.prompt_logprobs[req.logprob_start_len :]

@@ -48,7 +48,7 @@ from kestrel.train.grpo import ClipConfig, LossTerms, group_advantages, informat
 from kestrel.train.lora import attach_trainable, new_adapter, save_adapter
 from kestrel.train.rl_curves import plot_curves
 from kestrel.train.rl_tasks import Prompt, TaskMix, score
-from kestrel.train.rollout_client import EngineProcess, RolloutClient, adapter_checksum, check_versions
+from kestrel.train.rollout_client import EngineProcess, RolloutClient, adapter_checksum, check_finite, check_versions
 from kestrel.train.routing_replay import Rollout, sequence_logprobs
 from kestrel.train.stop_signal import STOP
 
@@ -78,7 +78,8 @@ class RLConfig:
     max_minutes: float | None = None
     deterministic: bool = True  # batch-invariant trainer + --deterministic-inference engines: zero mismatch
     adapter_name: str = "policy"
-    threads: int = 1  # torch threads of each trainer rank (and of the engine the recipe starts)
+    threads: int = 1  # torch threads of each trainer rank
+    engine_threads: int | None = None  # torch threads of the engine the recipe starts (None: `threads`)
 
 
 def check_config(cfg: RLConfig, nproc: int = 1) -> None:
@@ -105,6 +106,7 @@ def check_config(cfg: RLConfig, nproc: int = 1) -> None:
     need(cfg.eval_n >= 1, "eval_n", "must be >= 1")
     need(cfg.max_minutes is None or cfg.max_minutes > 0, "max_minutes", "must be > 0")
     need(cfg.threads >= 1, "threads", "must be >= 1")
+    need(cfg.engine_threads is None or cfg.engine_threads >= 1, "engine_threads", "must be >= 1")
     need(bool(cfg.adapter_name) and "/" not in cfg.adapter_name, "adapter_name", "must be a non-empty name")
     if nproc < 1 or nproc > cfg.prompts_per_step:
         raise ConfigError(f"nproc: {nproc} data-parallel ranks; need 1 .. prompts_per_step ({cfg.prompts_per_step})")
@@ -269,6 +271,7 @@ class GRPOTrainer:
             capture=self.capture,
         )
         check_versions(results, *self.version)
+        check_finite(results)
         return [
             [(Rollout.from_generate(r, prompts[g].ids, self.model_cfg), r["text"]) for r in group]
             for g, group in zip(mine, results)
@@ -513,7 +516,8 @@ def run_rl(job: RLJob, nproc: int = 1, dist_timeout: float = 1800.0) -> RLState:
         if job.rollout_urls:
             return _train(job, nproc, dist_timeout)
         flags = engine_flags(job.config, load_model_config(job.model_path))
-        with EngineProcess(job.model, flags, out / "engine.log", job.config.threads) as engine:
+        threads = job.config.engine_threads or job.config.threads
+        with EngineProcess(job.model, flags, out / "engine.log", threads) as engine:
             return _train(replace(job, rollout_urls=[engine.url]), nproc, dist_timeout)
 
 

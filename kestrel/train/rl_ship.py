@@ -34,6 +34,11 @@ def summarize(state: RLState) -> dict[str, Any]:
     }
 
 
+def _asset_name(path: Path) -> str:
+    """A shipped model by its asset name (the summary must not record this machine's paths), others as given."""
+    return path.name if path.resolve().parent == SHIPPED_ADAPTER_DIR.parent else str(path)
+
+
 def ship_adapter(job: RLJob, state: RLState, recipe: str, target: Path = SHIPPED_ADAPTER_DIR) -> Path:
     """Install the trained adapter (PEFT files + curves) under the package, recording the sha256 of the base's text
     weights (`text_weights_sha256`, as the DFlash draft does): a test fails when the base changes and the adapter was
@@ -44,7 +49,7 @@ def ship_adapter(job: RLJob, state: RLState, recipe: str, target: Path = SHIPPED
         shutil.rmtree(target)
     shutil.copytree(Path(job.out) / ADAPTER_DIR, target)
     shutil.copy(Path(job.out) / "rl_curves.png", target / "rl_curves.png")
-    base = "kestrel-mini" if job.model is None else str(job.model)
+    base = "kestrel-mini" if job.model is None else _asset_name(Path(job.model))
     summary = {"recipe": recipe, "command": f"kestrel rl --recipe {recipe} --ship", "base_model": base}
     summary["base_sha256"] = text_weights_sha256(job.model_path)
     (target / SUMMARY_FILE).write_text(json.dumps(summary | summarize(state), indent=2) + "\n")

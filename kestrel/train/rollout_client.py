@@ -109,6 +109,19 @@ def check_versions(results: list[list[dict[str, Any]]], version: str, checksum: 
                 raise RolloutError(f"rollout {meta.get('id')} ran on adapter {got}, expected {(version, checksum)}")
 
 
+def check_finite(results: list[list[dict[str, Any]]]) -> None:
+    """Every sampled token has a finite logprob (the engine sends NaN / inf as null): a diverged policy stops the run
+    with its cause instead of training on NaN."""
+    for group in results:
+        for r in group:
+            for i, (lp, _, _) in enumerate(r["meta_info"]["output_token_logprobs"]):
+                if lp is None:
+                    raise RolloutError(
+                        f"rollout {r['meta_info'].get('id')}: token {i} has a non-finite logprob (the policy "
+                        "diverged: lower --lr, or resume from an earlier adapter)"
+                    )
+
+
 class EngineProcess:
     """`kestrel serve MODEL FLAGS` on 127.0.0.1 at a free port, as a context manager: `url` once /health answers;
     on exit it is stopped with SIGINT and `returncode` says how it ended (0: a clean stop)."""
