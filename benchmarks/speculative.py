@@ -10,6 +10,8 @@ token (checked); in bfloat16, the shipped model's dtype, a verify block's multi-
 decode step's one-row GEMVs, so near-ties may resolve differently: the count of identical outputs is reported.
 
     .venv/bin/python benchmarks/speculative.py --threads 1 --repeats 3
+    .venv/bin/python benchmarks/speculative.py --model kestrel/assets/kestrel-mini-tied \
+        --draft kestrel/assets/kestrel-mini-tied/dflash      # another target with its own draft
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int, list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="target checkpoint (default: the embedded kestrel-mini)")
+    ap.add_argument("--draft", default=None, help="its DFlash draft (default: the shipped one, for the embedded model)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="prompts per concurrency slot")
@@ -57,21 +61,22 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     blocks = [int(b) for b in args.blocks.split(",")]
     print(
-        f"threads {args.threads}, {args.dtype}, concurrency {levels}, max_tokens {args.max_tokens}, "
-        f"repeats {args.repeats}"
+        f"model {args.model or 'kestrel-mini'}, threads {args.threads}, {args.dtype}, concurrency {levels}, "
+        f"max_tokens {args.max_tokens}, repeats {args.repeats}"
     )
 
     exact = args.dtype == "float32"
     common = dict(dtype=args.dtype, max_total_tokens=65536, max_model_len=4096, num_threads=args.threads)
     spec = dict(speculative_algorithm="dflash", enable_linear_replayssm_spec=args.replayssm)
+    spec |= dict(speculative_draft_model=args.draft) if args.draft else {}
 
     # Acceptance length per block size (greedy: it does not depend on the batch), outputs checked against plain.
     prompts = chat_prompts(HELD_OUT_SEED, 32)
-    plain_llm = LLM(None, max_running_requests=32, **common)
+    plain_llm = LLM(args.model, max_running_requests=32, **common)
     _, _, want = run(plain_llm, prompts, args.max_tokens)
     acceptance, identical = {}, {}
     for b in blocks:
-        llm = LLM(None, max_running_requests=32, speculative_num_draft_tokens=b, **spec, **common)
+        llm = LLM(args.model, max_running_requests=32, speculative_num_draft_tokens=b, **spec, **common)
         _, _, got = run(llm, prompts, args.max_tokens)
         same = sum(g == w for g, w in zip(got, want))
         assert same == len(want) or not exact, f"block {b}: speculative output differs from plain greedy"
@@ -86,9 +91,9 @@ def main() -> None:
     for c in levels:
         batch = chat_prompts(HELD_OUT_SEED + c, max(c * args.rounds, args.min_prompts))
         engines = {
-            "plain": LLM(None, max_running_requests=c, **common),
+            "plain": LLM(args.model, max_running_requests=c, **common),
             "dflash": LLM(
-                None, max_running_requests=c, speculative_num_draft_tokens=args.speed_block, **spec, **common
+                args.model, max_running_requests=c, speculative_num_draft_tokens=args.speed_block, **spec, **common
             ),
         }
         tps: dict[str, list[float]] = {k: [] for k in engines}
@@ -120,6 +125,7 @@ def main() -> None:
     write_result(
         args.out,
         "speculative",
+        model=args.model or "kestrel-mini",
         acceptance_length={str(b): round(a, 3) for b, a in acceptance.items()},
         identical_outputs={str(b): f"{n}/{len(prompts)}" for b, n in identical.items()},
         dtype=args.dtype,
