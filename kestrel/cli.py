@@ -231,10 +231,12 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
     return 0
 
 
-RL_OVERRIDES = ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "minibatches", "lr", "seed")
-RL_OVERRIDES += ("eval_every", "threads", "engine_threads")
 RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
-RL_OVERRIDES += RL_CLIP_OVERRIDES
+RL_OVERRIDES = (
+    ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "minibatches", "lr", "seed", "eval_every")
+    + ("threads", "engine_threads")
+    + RL_CLIP_OVERRIDES
+)
 
 
 def cmd_rl(args: argparse.Namespace) -> int:

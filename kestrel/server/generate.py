@@ -175,9 +175,12 @@ class _Seq:
             entries = self.prompt_logprobs[req.logprob_start_len :]
             first = req.logprob_start_len
             meta["input_token_logprobs"] = [
-                [None if e is None else e.logprob, self.prompt[first + i], None] for i, e in enumerate(entries)
+                [None if e is None else json_float(e.logprob), self.prompt[first + i], None]
+                for i, e in enumerate(entries)
             ]
-            meta["input_top_logprobs"] = [None if e is None else [[v, t, None] for t, v in e.top] for e in entries]
+            meta["input_top_logprobs"] = [
+                None if e is None else [[json_float(v), t, None] for t, v in e.top] for e in entries
+            ]
         if self.final is not None and req.return_routed_experts and self.final.routed_experts is not None:
             meta["routed_experts"] = _b64(self.final.routed_experts[req.routed_experts_start_len :])
         if self.final is not None and req.return_indexer_topk and self.final.indexer_topk is not None:
