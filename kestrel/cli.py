@@ -234,7 +234,7 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
 RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
 RL_OVERRIDES = (
     ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "minibatches", "lr", "seed", "eval_every")
-    + ("threads", "engine_threads")
+    + ("temperature", "threads", "engine_threads")
     + RL_CLIP_OVERRIDES
 )
 
@@ -464,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--prompts-per-step", type=int, default=None, help="groups per step")
     rl.add_argument("--samples-per-prompt", type=int, default=None, help="GRPO's group size n")
     rl.add_argument("--minibatches", type=int, default=None, help="optimizer steps per step's rollouts (groups split)")
+    rl.add_argument("--temperature", type=float, default=None, help="rollout sampling temperature (the trained policy)")
     rl.add_argument("--lr", type=float, default=None)
     rl.add_argument("--seed", type=int, default=None, help="prompts and sampling seeds")
     rl.add_argument("--eval-every", type=int, default=None, help="held-out accuracy every N steps (0: never)")

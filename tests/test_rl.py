@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import spawn_ranks
+from tokenizers import Tokenizer
 
 from kestrel.chat_template import render_tool_calls
 from kestrel.cli import main
@@ -39,8 +40,12 @@ from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
 from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum, check_finite
 from kestrel.train.routing_replay import sequence_logprobs
-from kestrel.train.synth.arithmetic import arithmetic_episode
-from kestrel.train.synth.episode import TRAIN
+from kestrel.train.synth.arithmetic import HELD_OUT_TEMPLATES, TRAIN_TEMPLATES, arithmetic_episode
+from kestrel.train.synth.episode import TRAIN, split_of
+from kestrel.train.synth.phrasing import normalized
+from kestrel.train.synth.places import place_split
+from kestrel.train.synth.rl_phrasings import ARITHMETIC_RL_TEMPLATES, TOOL_RL_TEMPLATES
+from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
 from kestrel.train.synth.tools import tool_episode
 
 TINY = RL_RECIPES["tiny"]
@@ -126,6 +131,34 @@ def test_rewards_are_exact_final_answers_and_exact_tool_calls():
     twice = render_tool_calls([call("get_weather", args)] * 2)
     assert tools.reward(ep, twice, []) == 0.0
     assert tools.reward(ep, right.replace("}<|tool_call_end|>", "<|tool_call_end|>"), []) == 0.0  # not JSON
+
+
+def test_rl_prompts_never_use_a_held_out_phrasing_or_slot_value():
+    """RL asks training slot values in the SFT phrasings and its own; its own are new to SFT and to the evaluation."""
+    sft = {normalized(t) for ts, _ in TOOL_TEMPLATES.values() for t in ts}
+    sft |= {normalized(t) for ts in TRAIN_TEMPLATES.values() for t in ts}
+    held = {normalized(t) for _, hs in TOOL_TEMPLATES.values() for t in hs}
+    held |= {normalized(t) for hs in HELD_OUT_TEMPLATES.values() for t in hs}
+    rl = [t for ts in TOOL_RL_TEMPLATES.values() for t in ts]
+    rl += [t for ts in ARITHMETIC_RL_TEMPLATES.values() for t in ts]
+    assert set(TOOL_RL_TEMPLATES) == set(TOOL_TEMPLATES) and set(ARITHMETIC_RL_TEMPLATES) == set(TRAIN_TEMPLATES)
+    assert not {normalized(t) for t in rl} & (sft | held)  # (units and currencies share a phrasing, as in SFT)
+
+    prompts = MINI_TASKS.sample(random.Random(3), 600, Tokenizer.from_file(str(TIED_DIR / "tokenizer.json")))
+    used = {p.episode.meta["template"] for p in prompts if "template" in p.episode.meta}
+    assert {p.task for p in prompts} == {t.name for t in MINI_TASKS.tasks}
+    for rl_set, sft_set in (
+        (TOOL_RL_TEMPLATES, {i: t for i, (t, _) in TOOL_TEMPLATES.items()}),
+        (ARITHMETIC_RL_TEMPLATES, TRAIN_TEMPLATES),
+    ):
+        assert used & {t for ts in rl_set.values() for t in ts} and used & {t for ts in sft_set.values() for t in ts}
+    assert not {normalized(t) for t in used} & held
+    for p in prompts:
+        meta = p.episode.meta
+        if "op" in meta:
+            assert split_of(f"{meta['op']}:{meta['a']}:{meta['b']}") == TRAIN
+        places = [meta["slots"][s] for s in ("city", "origin", "destination") if s in meta.get("slots", {})]
+        assert all(place_split(v) == TRAIN for v in places)
 
 
 # -- the loop on a tiny model, against a real engine subprocess -------------------------------------------------------
@@ -220,13 +253,16 @@ def test_the_reference_pass_is_the_base_and_the_policy_pass_is_the_engine(tiny, 
     base, _ = load_model(tiny, torch.float32)
     base.batch_invariant = True
     base.train()
+    t = TINY.config.temperature
+    assert t != 1.0  # the loss trains the tempered policy the engine sampled from
     with torch.no_grad():
-        expected = torch.cat(sequence_logprobs(base, [r for r, _ in batch]))
-        ref, policy = trainer._reference(batch), trainer._logprobs(batch)
+        base_raw, base_tempered = torch.cat(sequence_logprobs(base, [r for r, _ in batch], temperatures=(1.0, t)), -1)
+        ref, (raw, policy) = trainer._reference(batch), trainer._raw_and_policy(batch)
     trainer.client.close()
-    assert torch.equal(ref, expected)  # the adapter switched off: exactly the base
+    assert torch.equal(ref, base_tempered) and not torch.equal(ref, base_raw)  # the adapter off: exactly the base
     engine_lp = torch.tensor([lp for r, _ in batch for lp in r.logprobs], dtype=policy.dtype)
-    assert torch.equal(policy, engine_lp) and not torch.equal(policy, ref)  # the adapter is on, as on the engine
+    assert torch.equal(raw, engine_lp) and not torch.equal(raw, base_raw)  # the adapter is on, as on the engine
+    assert torch.equal(policy, torch.cat(sequence_logprobs(trainer.model, [r for r, _ in batch], temperatures=(t,))))
 
 
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny, engine, tmp_path, three_steps):
@@ -317,6 +353,7 @@ def test_the_mini_recipe_adapts_the_tied_candidate_within_its_budget():
         ({"clip": ClipConfig(kl_coef=-1.0)}, "clip.kl_coef"),
         ({"lora_targets": ()}, "lora_targets"),
         ({"engine_threads": 0}, "engine_threads"),
+        ({"temperature": 0.0}, "temperature"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(change, name):

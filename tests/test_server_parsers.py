@@ -175,3 +175,21 @@ def test_missing_call_end_is_forgiven_at_the_next_marker():
 def test_ids_not_in_kimi_form_are_rewritten_with_the_call_index():
     _, calls = parse_tool_calls(f"{CALLS_BEGIN}{CALL_BEGIN}lookup{CALL_ARGS}{{}}{CALL_END}{CALLS_END}")
     assert calls[0]["id"] == "functions.lookup:0" and calls[0]["function"]["name"] == "lookup"
+
+
+def test_non_finite_logprobs_reach_openai_clients_as_the_floor_not_an_encoding_error():
+    from tokenizers import Tokenizer
+
+    from kestrel.models.builtin import EMBEDDED_DIR
+    from kestrel.server.chat import chat_logprobs
+    from kestrel.server.completions import completion_logprobs
+    from kestrel.server.serving import LOGPROB_FLOOR, TokenText
+
+    text_of = TokenText(Tokenizer.from_file(str(EMBEDDED_DIR / "tokenizer.json")))
+    ids, lps, top = [5, 6, 7], [-0.5, float("-inf"), float("nan")], [[(5, -0.5), (9, float("-inf"))]] * 3
+    chat = json.loads(json.dumps(chat_logprobs(ids, lps, top, text_of), allow_nan=False))  # as JSONResponse encodes
+    assert [e["logprob"] for e in chat["content"]] == [-0.5, LOGPROB_FLOOR, LOGPROB_FLOOR]
+    assert [a["logprob"] for a in chat["content"][0]["top_logprobs"]] == [-0.5, LOGPROB_FLOOR]
+    legacy = json.loads(json.dumps(completion_logprobs(ids, lps, top, text_of), allow_nan=False))
+    assert legacy["token_logprobs"] == [-0.5, LOGPROB_FLOOR, LOGPROB_FLOOR]
+    assert sorted(legacy["top_logprobs"][0].values()) == [LOGPROB_FLOOR, -0.5]

@@ -38,6 +38,7 @@ from kestrel.server.serving import (
     TokenText,
     event_error,
     make_params,
+    openai_logprob,
     sse,
     usage,
 )
@@ -210,7 +211,7 @@ def chat_logprobs(
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
         s = text_of(tid)
-        return {"token": s, "logprob": lp, "bytes": text_of.bytes(tid)}
+        return {"token": s, "logprob": openai_logprob(lp), "bytes": text_of.bytes(tid)}
 
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):

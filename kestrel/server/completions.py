@@ -20,6 +20,7 @@ from kestrel.server.serving import (
     TokenText,
     event_error,
     make_params,
+    openai_logprob,
     sse,
     usage,
 )
@@ -50,8 +51,10 @@ def completion_logprobs(
         offset += len(s)
     return {
         "tokens": tokens,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": [{text_of(t): v for t, v in (top[i] if top else None) or []} for i in range(len(tokens))],
+        "token_logprobs": [openai_logprob(x) for x in logprobs],
+        "top_logprobs": [
+            {text_of(t): openai_logprob(v) for t, v in (top[i] if top else None) or []} for i in range(len(tokens))
+        ],
         "text_offset": offsets,
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -306,6 +307,15 @@ def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's floor for OpenAI logprobs: the schema's `logprob` is a number, never null
+
+
+def openai_logprob(x: float) -> float:
+    """A logprob as OpenAI clients parse it: -inf or NaN (a diverged model's logits) become the floor instead of
+    failing the response with an encoding error or a client-side validation error."""
+    return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
 def sse(payload: dict[str, Any]) -> str:

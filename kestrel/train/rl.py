@@ -3,9 +3,9 @@
 One step (every rank runs it on its share of the prompts; gradients are all-reduced):
 
 1. draw `prompts_per_step` prompts from the recipe's tasks (one seeded stream, the same on every rank); rank r takes
-   the groups g with g % world == r and asks the engines for `samples_per_prompt` samples of each (`/generate`,
-   temperature 1, seeded, with logprobs and the routing capture), on the adapter version pushed last: every
-   rollout's `meta_info` must name that version and checksum;
+   the groups g with g % world == r and asks the engines for `samples_per_prompt` samples of each (`/generate`, at
+   the recipe's temperature, seeded, with logprobs and the routing capture), on the adapter version pushed last:
+   every rollout's `meta_info` must name that version and checksum;
 2. reward each sample (1 right / 0 wrong), normalise within its group, drop the groups whose rewards are all equal;
 3. split the groups into `minibatches`; the first runs at the rollout's policy, the others one optimizer step
    later each, so their old logprobs are recomputed before any step. The trainer's forward replays the engine's
@@ -63,6 +63,7 @@ class RLConfig:
     samples_per_prompt: int = 8
     minibatches: int = 2
     max_new_tokens: int = 160
+    temperature: float = 1.0  # rollouts sample logits / temperature; the loss trains that tempered policy
     lr: float = 5e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -93,6 +94,7 @@ def check_config(cfg: RLConfig, nproc: int = 1) -> None:
         need(getattr(cfg, name) >= 1, name, "must be >= 1")
     need(cfg.samples_per_prompt >= 2, "samples_per_prompt", "must be >= 2 (advantages are normalised in the group)")
     need(cfg.minibatches <= cfg.prompts_per_step, "minibatches", "must be <= prompts_per_step (groups are split)")
+    need(0 < cfg.temperature <= 2, "temperature", "must be in (0, 2] (the policy samples; 0 would be greedy)")
     need(cfg.lr > 0, "lr", "must be > 0")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.grad_clip > 0, "grad_clip", "must be > 0")
@@ -267,6 +269,7 @@ class GRPOTrainer:
             n,
             self.cfg.max_new_tokens,
             seeds,
+            temperature=self.cfg.temperature,
             lora=self.cfg.adapter_name,
             capture=self.capture,
         )
@@ -278,11 +281,23 @@ class GRPOTrainer:
         ]
 
     def _logprobs(self, batch: list[tuple[Rollout, float]]) -> torch.Tensor:
-        return torch.cat(sequence_logprobs(self.model, [r for r, _ in batch], replay=True))
+        """The policy's logprobs of the output tokens: at the rollout temperature, the distribution they were drawn
+        from."""
+        return self._raw_and_policy(batch)[1]
+
+    def _raw_and_policy(self, batch: list[tuple[Rollout, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw, policy) logprobs of one forward: the raw ones compare with the engine's (which reports logprobs of
+        the raw logits, as vLLM does), the policy ones (logits / temperature) are what the loss trains."""
+        rollouts, t = [r for r, _ in batch], self.cfg.temperature
+        if t == 1.0:
+            lp = torch.cat(sequence_logprobs(self.model, rollouts, replay=True))
+            return lp, lp
+        both = torch.cat(sequence_logprobs(self.model, rollouts, replay=True, temperatures=(1.0, t)), dim=-1)
+        return both[0], both[1]
 
     @torch.no_grad()
     def _reference(self, batch: list[tuple[Rollout, float]]) -> torch.Tensor:
-        """The base's logprobs (the adapter switched off) with the same replayed routing."""
+        """The base's policy logprobs (the adapter switched off) with the same replayed routing."""
         self.manager.apply_to_all(None)
         try:
             return self._logprobs(batch)
@@ -321,7 +336,7 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         micro = [micro_batches(batch, cfg.micro_batch_tokens) for batch in batches]
         with torch.no_grad():  # old logprobs: minibatch 0's own forward runs at the rollout's policy
-            olds = [[None if m == 0 else self._logprobs(mb) for mb in mbs] for m, mbs in enumerate(micro)]
+            olds = [[None if m == 0 else self._raw_and_policy(mb) for mb in mbs] for m, mbs in enumerate(micro)]
             refs = [[self._reference(mb) for mb in mbs] for mbs in micro] if cfg.clip.kl_coef else None
         model_tokens = 0
 
@@ -334,14 +349,17 @@ class GRPOTrainer:
                 continue
             self.optimizer.zero_grad(set_to_none=False)
             for j, mb in enumerate(micro[m]):
-                logp = self._logprobs(mb)
-                old = logp.detach() if olds[m][j] is None else olds[m][j]
-                rollout = torch.tensor([lp for r, _ in mb for lp in r.logprobs], dtype=old.dtype, device=self.device)
+                raw, logp = self._raw_and_policy(mb)
+                old_raw, old = (raw.detach(), logp.detach()) if olds[m][j] is None else olds[m][j]
+                engine = torch.tensor([lp for r, _ in mb for lp in r.logprobs], dtype=old.dtype, device=self.device)
+                # The engine reports raw logprobs; its tempered one is the trainer's shifted by their difference
+                # (exact when they agree, as under --deterministic-inference, where every TIS weight is 1).
+                rollout = old - (old_raw - engine)
                 adv = torch.tensor([a for r, a in mb for _ in r.output_ids], dtype=old.dtype, device=self.device)
                 terms = policy_loss(logp, old, rollout, adv, cfg.clip, None if refs is None else refs[m][j])
                 (terms.loss / total).backward()
-                self._accumulate(sums, terms, old, rollout)
-                diff_max = max(diff_max, (old - rollout).abs().max().item())
+                self._accumulate(sums, terms, old_raw, engine)
+                diff_max = max(diff_max, (old_raw - engine).abs().max().item())
                 model_tokens += sum(len(r.input_ids) for r, _ in mb)
             self._all_reduce_grads()
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)))

@@ -1,8 +1,9 @@
 """What GRPO trains on: prompts drawn from weighted tasks, each with a verifiable reward, and the held-out questions
 its accuracy is measured on.
 
-A `Task` makes training episodes (the SFT generator's training stream, never the held-out one) and says whether a
-completion is right; the reward is 1.0 for right, 0.0 otherwise. The mini recipe's tasks reuse the evaluation's
+A `Task` makes training episodes (training-split slot values, asked in the SFT phrasings or in RL's own,
+`kestrel.train.synth.rl_phrasings`; never the held-out ones) and says whether a completion is right; the reward is 1.0
+for right, 0.0 otherwise. The mini recipe's tasks reuse the evaluation's
 parsers (`kestrel.train.evaluate`): the exact tool name and JSON arguments, the exact final arithmetic answer. The
 held-out questions are the evaluation's own cases, asked greedily through the rollout engine with the adapter.
 """
@@ -17,8 +18,10 @@ from functools import partial
 from tokenizers import Tokenizer
 
 from kestrel.train import evaluate
-from kestrel.train.synth.arithmetic import arithmetic_episode
+from kestrel.train.synth.arithmetic import TRAIN_TEMPLATES, arithmetic_episode
 from kestrel.train.synth.episode import TRAIN, Episode
+from kestrel.train.synth.rl_phrasings import ARITHMETIC_RL_TEMPLATES, TOOL_RL_TEMPLATES
+from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
 from kestrel.train.synth.tools import tool_episode
 
 Correct = Callable[[Episode, str], bool]  # (episode, completion text) -> right?
@@ -93,15 +96,22 @@ def score(keys: Sequence[str], right: Sequence[bool]) -> dict[str, float]:
 
 
 # -- the mini recipe's tasks (module-level functions and partials: spawned ranks unpickle the mix) ---------------------
+# RL asks in the SFT phrasings and its own (never the held-out ones): wording the base has not seen gives the reward
+# variance GRPO learns from.
+ARITHMETIC_PHRASINGS = {op: TRAIN_TEMPLATES[op] + ARITHMETIC_RL_TEMPLATES[op] for op in TRAIN_TEMPLATES}
+TOOL_PHRASINGS = {intent: train + TOOL_RL_TEMPLATES[intent] for intent, (train, _) in TOOL_TEMPLATES.items()}
+
+
 def arithmetic_prompt(op: str, digits: int | None, rng: random.Random) -> Episode:
     """A training arithmetic question, asked with the worked trace (reasoning effort high) the reward can improve."""
-    ep = arithmetic_episode(rng, TRAIN, op, digits)
+    ep = arithmetic_episode(rng, TRAIN, op, digits, ARITHMETIC_PHRASINGS[op])
     ep.reasoning_effort = "high"
     return ep
 
 
-def tool_prompt(rng: random.Random) -> Episode:
-    return tool_episode(rng)
+def tool_prompt(category: str | None, rng: random.Random) -> Episode:
+    """A tool request (of `category`, or one drawn by the generator's weights) in training slot values."""
+    return tool_episode(rng, TRAIN, category, templates=TOOL_PHRASINGS)
 
 
 def exact_answer(ep: Episode, text: str, ids: list[int]) -> float:
@@ -122,13 +132,17 @@ def held_out_arithmetic(n: int) -> list[tuple[str, Episode]]:
     return cases
 
 
+# Tool requests keep the generator's share of `no_tool` requests (about 9%). A separate, heavier no_tool task taught
+# the base to decline by request type ("a timer, but no tool offered can set timers" with set_timer offered: held-out
+# set_timer 0.83 -> 0.08 in 10 steps): declining had reward variance, while the right calls were already all right
+# (zero variance, no gradient) and nothing held them.
 MINI_TASKS = TaskMix(
     tasks=(
-        Task("sub", 1.0, partial(arithmetic_prompt, "sub", None), exact_answer),
+        Task("sub", 1.5, partial(arithmetic_prompt, "sub", None), exact_answer),
         Task("mul", 1.0, partial(arithmetic_prompt, "mul", None), exact_answer),
-        Task("pct", 1.0, partial(arithmetic_prompt, "pct", None), exact_answer),
+        Task("pct", 0.75, partial(arithmetic_prompt, "pct", None), exact_answer),
         Task("add2", 0.5, partial(arithmetic_prompt, "add", 2), exact_answer),
-        Task("tools", 1.5, tool_prompt, exact_tool_call),
+        Task("tools", 2.0, partial(tool_prompt, None), exact_tool_call),
     ),
     held_out=(
         HeldOut("arithmetic", held_out_arithmetic, evaluate.arithmetic_correct, 160),

@@ -139,9 +139,14 @@ def replay_of(rollouts: list[Rollout], cfg: ModelConfig, device: torch.device | 
     return RoutingReplay(per_layer("routed_experts", moe), per_layer("indexer_topk", dsa), rows)
 
 
-def sequence_logprobs(model: CausalLM, rollouts: list[Rollout], replay: bool = True) -> list[torch.Tensor]:
+def sequence_logprobs(
+    model: CausalLM, rollouts: list[Rollout], replay: bool = True, temperatures: tuple[float, ...] = (1.0,)
+) -> list[torch.Tensor]:
     """Per rollout, the trainer's logprob of each output token (under autograd if enabled): one forward over every
-    rollout packed, with the recorded routing (`replay`) or the model's own (the reference pass)."""
+    rollout packed, with the recorded routing (`replay`) or the model's own (the reference pass).
+
+    With several `temperatures`, each rollout's tensor is [len(temperatures), tokens]: log_softmax(logits / T) of
+    one forward, e.g. the raw logprobs the engine reports beside the tempered policy it sampled from."""
     batch = pack_rollouts(rollouts, model.device)
     batch.replay = replay_of(rollouts, model.cfg, model.device) if replay else None
     hidden = model(batch)
@@ -154,8 +159,10 @@ def sequence_logprobs(model: CausalLM, rollouts: list[Rollout], replay: bool = T
         targets += r.output_ids
         start += len(r.input_ids)
     logits = model.logits(hidden[torch.tensor(rows, device=model.device)])
-    lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets, device=model.device)[:, None])[:, 0]
-    return list(lp.split([len(r.output_ids) for r in rollouts]))
+    index = torch.tensor(targets, device=model.device)[:, None]
+    lps = [torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1).gather(1, index)[:, 0] for t in temperatures]
+    lp = lps[0] if len(temperatures) == 1 else torch.stack(lps)
+    return list(lp.split([len(r.output_ids) for r in rollouts], dim=-1))
 
 
 def logprob_mismatch(rollouts: list[Rollout], trainer: list[torch.Tensor]) -> dict[str, float]:

@@ -267,10 +267,12 @@ def tool_episode(
     category: str | None = None,
     effort: str | None | bool = False,
     noise: float = 0.1,
+    templates: dict[str, list[str]] | None = None,
 ) -> Episode:
     """A request for `category` (a tool name, or "no_tool": a request none of the offered tools can serve).
 
-    `effort=False` draws a reasoning effort; None or a level fixes it.
+    `effort=False` draws a reasoning effort; None or a level fixes it. `templates` (intent → phrasings) replaces the
+    split's phrasings (RL asks its own); slot values stay in `split`.
     """
     check_split(split)
     category = category or rng.choices(list(TOOL_WEIGHTS), weights=list(TOOL_WEIGHTS.values()))[0]
@@ -280,7 +282,8 @@ def tool_episode(
         return _arithmetic_among_tools(rng, split, effort, noise)
     tool = rng.choice(list(ABILITY)) if category == NO_TOOL else category
     req = request(rng, split, tool)
-    template = rng.choice(TEMPLATES[req.intent][0 if split == TRAIN else 1])
+    phrasings = templates[req.intent] if templates else TEMPLATES[req.intent][0 if split == TRAIN else 1]
+    template = rng.choice(phrasings)
     question = fill(template, req.slots, rng, noise)
     effort = _effort(rng) if effort is False else effort
     meta = {"category": category, "template": template, "intent": req.intent, "slots": req.slots}

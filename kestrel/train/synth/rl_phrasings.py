@@ -1,0 +1,121 @@
+"""Phrasings only reinforcement learning asks: a third set beside the SFT generator's and the held-out evaluation's.
+
+RL prompts drawn from the SFT phrasings alone ask what the base already answers (little reward variance) and teach
+nothing about unfamiliar wording; drawn from the held-out phrasings they would leak the test. These templates are
+neither (a test checks all three sets are distinct after normalisation), so an adapter that scores better on the
+held-out phrasings has learned to read new wording, not the test's.
+"""
+
+from __future__ import annotations
+
+ARITHMETIC_RL_TEMPLATES: dict[str, list[str]] = {
+    "add": [
+        "Tell me {a} plus {b}.",
+        "Put {a} and {b} together. What do you have?",
+        "Would you add up {a} and {b}?",
+        "Increase {a} by {b}.",
+        "What does {a} plus {b} come to?",
+        "{b} more than {a} is how much?",
+    ],
+    "sub": [
+        "Deduct {b} from {a}.",
+        "What is {a} less {b}?",
+        "Tell me {a} minus {b}.",
+        "Remove {b} from {a}. What remains?",
+        "Reduce {a} by {b}.",
+        "Would you work out {a} minus {b}?",
+        "{b} fewer than {a} is how much?",
+        "Starting from {a}, take off {b}. What is the result?",
+    ],
+    "mul": [
+        "Tell me {a} times {b}.",
+        "Would you multiply {a} and {b}?",
+        "What is {a} groups of {b}?",
+        "{a} multiplied with {b} gives?",
+        "What does {a} times {b} come to?",
+        "Find {a} times {b} for me.",
+    ],
+    "pct": [
+        "Tell me {a}% of {b}.",
+        "Would you work out {a} percent of {b}?",
+        "What does {a}% of {b} come to?",
+        "Figure out {a}% of {b}.",
+        "{a} per cent of {b} is how much?",
+        "Out of {b}, how much is {a}%?",
+    ],
+}
+
+TOOL_RL_TEMPLATES: dict[str, list[str]] = {
+    "weather": [
+        "Would you look up the weather in {city}?",
+        "What's it like outside in {city} today?",
+        "Weather report for {city}, please.",
+        "Can you see what the weather is in {city}?",
+        "Tell me what the sky is doing over {city}.",
+        "Should I bring a coat in {city}? Check the weather.",
+    ],
+    "weather_unit": [
+        "Would you look up the weather in {city} in {unit}?",
+        "Weather report for {city} in {unit}, please.",
+        "In {unit}, how warm is {city}?",
+    ],
+    "time": [
+        "Would you check the local time in {city}?",
+        "What o'clock is it in {city}?",
+        "Tell me the current hour in {city}.",
+        "Is it late in {city}? Check the time.",
+    ],
+    "population": [
+        "Would you check how many people live in {city}?",
+        "How many people call {city} home?",
+        "Tell me the population of {city}, please.",
+        "What's the head count of {city}?",
+    ],
+    "directions": [
+        "Would you find me a way from {origin} to {destination}?",
+        "Route me from {origin} to {destination}.",
+        "I'm leaving {origin} for {destination}. Which way do I go?",
+        "Tell me how to travel from {origin} to {destination}.",
+    ],
+    "directions_mode": [
+        "Would you route me from {origin} to {destination} {mode}?",
+        "Tell me how to travel from {origin} to {destination} {mode}.",
+    ],
+    "units": [
+        "Would you convert {value} {from} to {to}?",
+        "Tell me {value} {from} in {to}.",
+        "Turn {value} {from} into {to}.",
+        "{value} {from} equals how many {to}?",
+    ],
+    "currency": [
+        "Would you convert {value} {from} into {to}?",
+        "Tell me {value} {from} in {to}.",
+        "What would {value} {from} be in {to}?",
+    ],
+    "search": [
+        "Would you search the web for {query}?",
+        "Look online for {query}.",
+        "Do a quick search about {query}.",
+        "Tell me what a web search finds on {query}.",
+    ],
+    "stock": [
+        "Would you check the stock price of {symbol}?",
+        "Tell me the share price of {symbol}.",
+        "What is one {symbol} share worth?",
+    ],
+    "email": [
+        "Would you email {to} that {body}?",
+        "Send a note to {to} by email: {body}",
+        "Tell {to} in an email that {body}.",
+    ],
+    "timer": [
+        "Would you set a timer for {minutes} minutes?",
+        "Give me a {minutes} minute timer.",
+        "Remind me with a timer in {minutes} minutes.",
+    ],
+    "calculator": [
+        "Would you calculate {a} {op} {b}?",
+        "Tell me {a} {op} {b} using the calculator.",
+        "Run the numbers: {a} {op} {b}",
+    ],
+}
