@@ -32,7 +32,7 @@ from kestrel.models.builtin import TIED_DIR
 from kestrel.models.checkpoint import make_model, text_weights_sha256
 from kestrel.models.loader import load_model
 from kestrel.models.lora import load_peft
-from kestrel.server.generate import json_float
+from kestrel.server.serving import json_float
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank

@@ -13,7 +13,6 @@ being the whole new result (chunks are cumulative).
 from __future__ import annotations
 
 import base64
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,16 @@ from kestrel.engine.outputs import CompletionOutput
 from kestrel.server.engine_events import SeqDelta, StreamEvent
 from kestrel.server.errors import APIError, error_body
 from kestrel.server.protocol import AbortRequest, GenerateRequest
-from kestrel.server.serving import SSE_DONE, Generation, ServingContext, SSEResponse, event_error, make_params, sse
+from kestrel.server.serving import (
+    SSE_DONE,
+    Generation,
+    ServingContext,
+    SSEResponse,
+    event_error,
+    json_float,
+    make_params,
+    sse,
+)
 
 _RENAMES = {
     "max_tokens": "sampling_params.max_new_tokens",
@@ -113,12 +121,6 @@ def _finish(reason: str | None, num_tokens: int) -> dict[str, Any] | None:
     if reason == "length":
         return {"type": "length", "length": num_tokens}
     return {"type": reason}
-
-
-def json_float(x: float) -> float | None:
-    """A logprob as JSON allows it: NaN or ±inf (a diverged model's logits) become null instead of failing the whole
-    response with an encoding error."""
-    return x if math.isfinite(x) else None
 
 
 @dataclass

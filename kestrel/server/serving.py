@@ -312,6 +312,12 @@ def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, Any]:
 LOGPROB_FLOOR = -9999.0  # vLLM's floor for OpenAI logprobs: the schema's `logprob` is a number, never null
 
 
+def json_float(x: float) -> float | None:
+    """A logprob as SGLang's /generate sends it: NaN or ±inf (a diverged model's logits) become null instead of
+    failing the whole response with an encoding error."""
+    return x if math.isfinite(x) else None
+
+
 def openai_logprob(x: float) -> float:
     """A logprob as OpenAI clients parse it: -inf or NaN (a diverged model's logits) become the floor instead of
     failing the response with an encoding error or a client-side validation error."""

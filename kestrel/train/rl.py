@@ -283,16 +283,17 @@ class GRPOTrainer:
     def _logprobs(self, batch: list[tuple[Rollout, float]]) -> torch.Tensor:
         """The policy's logprobs of the output tokens: at the rollout temperature, the distribution they were drawn
         from."""
-        return self._raw_and_policy(batch)[1]
+        rollouts, t = [r for r, _ in batch], self.cfg.temperature
+        return torch.cat(sequence_logprobs(self.model, rollouts, replay=True, temperatures=(t,)))
 
     def _raw_and_policy(self, batch: list[tuple[Rollout, float]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(raw, policy) logprobs of one forward: the raw ones compare with the engine's (which reports logprobs of
         the raw logits, as vLLM does), the policy ones (logits / temperature) are what the loss trains."""
-        rollouts, t = [r for r, _ in batch], self.cfg.temperature
-        if t == 1.0:
-            lp = torch.cat(sequence_logprobs(self.model, rollouts, replay=True))
+        if self.cfg.temperature == 1.0:
+            lp = self._logprobs(batch)
             return lp, lp
-        both = torch.cat(sequence_logprobs(self.model, rollouts, replay=True, temperatures=(1.0, t)), dim=-1)
+        temperatures = (1.0, self.cfg.temperature)
+        both = torch.cat(sequence_logprobs(self.model, [r for r, _ in batch], True, temperatures), dim=-1)
         return both[0], both[1]
 
     @torch.no_grad()

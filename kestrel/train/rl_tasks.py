@@ -3,9 +3,9 @@ its accuracy is measured on.
 
 A `Task` makes training episodes (training-split slot values, asked in the SFT phrasings or in RL's own,
 `kestrel.train.synth.rl_phrasings`; never the held-out ones) and says whether a completion is right; the reward is 1.0
-for right, 0.0 otherwise. The mini recipe's tasks reuse the evaluation's
-parsers (`kestrel.train.evaluate`): the exact tool name and JSON arguments, the exact final arithmetic answer. The
-held-out questions are the evaluation's own cases, asked greedily through the rollout engine with the adapter.
+for right, 0.0 otherwise. The mini recipe's tasks reuse the evaluation's parsers (`kestrel.train.evaluate`): the exact
+tool name and JSON arguments, the exact final arithmetic answer. The held-out questions are the evaluation's own
+cases, asked greedily through the rollout engine with the adapter.
 """
 
 from __future__ import annotations
