@@ -279,9 +279,14 @@ EVAL_ADAPTER = "eval"  # the name `kestrel eval --lora` loads its adapter under
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
-    from kestrel.train.evaluate import EVALS, run_probes
+    from kestrel.train.evaluate import EVALS, GRADERS, accuracy, run_probes
+    from kestrel.train.paired_eval import compare
     from kestrel.train.vision_eval import eval_vision
 
+    if args.paired and not args.lora:
+        raise SystemExit("kestrel eval: --paired compares an adapter with its base: give the adapter with --lora")
+    if args.paired and args.task not in (*GRADERS, "all"):
+        raise SystemExit(f"kestrel eval: --paired grades the text tasks ({', '.join(GRADERS)}, all), not {args.task}")
     lora = {"lora_paths": [f"{EVAL_ADAPTER}={args.lora}"]} if args.lora else {}
     llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype, **lora)
     lora_name = EVAL_ADAPTER if args.lora else None
@@ -294,6 +299,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
             report["probes"] = [{"question": q, "output": text, "right": ok} for q, text, ok in probes]
             for row in report["probes"]:
                 print(f"probes: {'right' if row['right'] else 'WRONG'}: {row['question']!r} -> {row['output']!r}")
+            continue
+        if args.paired:
+            grade, mean = GRADERS[task]
+            adapted = grade(llm, args.n, lora_name=lora_name)
+            paired = compare(grade(llm, args.n), adapted, mean)
+            report[task] = accuracy(adapted, mean)
+            report.setdefault("paired", {})[task] = {key: dataclasses.asdict(score) for key, score in paired.items()}
+            for name, score in paired.items():
+                print(f"{task}/{name}: {score.line()}")
             continue
         report[task] = evals[task](llm, args.n, lora_name=lora_name)
         for name, value in report[task].items():
@@ -515,6 +529,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", default=None, help="also write the scores to this file")
     ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")
     ev.add_argument("--lora", default=None, help="a PEFT adapter folder: score the model with it on every question")
+    ev.add_argument(
+        "--paired",
+        action="store_true",
+        help="with --lora: also ask the base the same questions and report the answers the adapter gained and lost "
+        "(McNemar's exact test) per category",
+    )
     ev.set_defaults(func=cmd_eval)
     return parser
 

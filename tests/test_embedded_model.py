@@ -125,3 +125,41 @@ def test_eval_command_scores_through_an_adapter(tmp_path):
         outputs[name] = [row["output"] for row in json.loads(out.read_text())["probes"]]
     assert outputs["zero"] == outputs["base"]
     assert outputs["noisy"] != outputs["base"]
+
+
+def test_eval_command_paired_asks_the_base_the_same_questions_as_the_adapter(tmp_path):
+    """`--paired`: the base's side equals a plain eval of the base, the adapter's a plain `--lora` eval, and a zero
+    adapter (PEFT's B = 0) changes no answer. Without `--lora`, or on a task it cannot grade, it stops naming why."""
+    import json
+
+    import torch
+
+    from kestrel.cli import main
+    from kestrel.models.loader import load_model
+    from kestrel.train.lora import new_adapter, save_adapter
+
+    model, cfg = load_model(builtin_model_path())
+    zero = new_adapter(model, ["q_proj", "o_proj", "down_proj"], r=4, lora_alpha=8.0, name="zero")
+    noisy = new_adapter(model, ["q_proj", "o_proj", "down_proj"], r=4, lora_alpha=8.0, name="noisy")
+    gen = torch.Generator().manual_seed(0)
+    noisy.weights = {m: (a, torch.randn(b.shape, generator=gen).to(b.dtype)) for m, (a, b) in noisy.weights.items()}
+
+    def scores(*flags: str) -> dict:
+        out = tmp_path / "scores.json"
+        assert main(["eval", "--task", "copy", "-n", "3", "--json", str(out), *flags]) == 0
+        return json.loads(out.read_text())
+
+    base = scores()["copy"]
+    for adapter in (zero, noisy):
+        path = str(save_adapter(adapter, tmp_path / adapter.name, cfg.model_type))
+        paired = scores("--lora", path, "--paired")
+        assert paired["copy"] == scores("--lora", path)["copy"]
+        for key, row in paired["paired"]["copy"].items():
+            assert (row["base"], row["adapted"], row["n"]) == (base[key], paired["copy"][key], 3)
+            assert row["adapted"] - row["base"] == pytest.approx((row["gained"] - row["lost"]) / 3)
+            if adapter is zero:
+                assert (row["gained"], row["lost"], row["p_value"]) == (0, 0, 1.0)
+    with pytest.raises(SystemExit, match="--lora"):
+        main(["eval", "--task", "copy", "--paired"])
+    with pytest.raises(SystemExit, match="not vision"):
+        main(["eval", "--task", "vision", "--lora", path, "--paired"])

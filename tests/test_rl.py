@@ -451,3 +451,31 @@ def test_a_signal_stops_kestrel_rl_after_its_step_saved_with_its_engine_stopped(
     url = re.search(r"Uvicorn running on (http://\S+)", log).group(1)
     with pytest.raises(httpx.TransportError):  # nothing answers where the engine served
         httpx.get(url + "/health", timeout=5)
+
+
+def test_the_shipped_adapter_was_trained_on_todays_base_and_serves_by_name():
+    """kestrel/assets/kestrel-mini-rl (`kestrel rl --recipe mini --ship`): PEFT files, the curves, and the sha256 of
+    the base it was trained on; a changed base fails here until the adapter is retrained. Served by name, it keeps
+    the held-out gain its summary claims on the first set_timer requests (the category it lifted most)."""
+    from kestrel import LLM, SamplingParams
+    from kestrel.train import evaluate
+    from kestrel.train.rl_ship import SHIPPED_ADAPTER_DIR
+
+    summary = json.loads((SHIPPED_ADAPTER_DIR / SUMMARY_FILE).read_text())
+    for name in ("adapter_config.json", "adapter_model.safetensors", "rl_curves.png"):
+        assert (SHIPPED_ADAPTER_DIR / name).is_file(), name
+    assert summary["base_model"] == TIED_DIR.name and summary["recipe"] == "mini"
+    assert summary["base_sha256"] == text_weights_sha256(TIED_DIR), (
+        "kestrel-mini-tied changed: retrain the adapter (`kestrel rl --recipe mini --ship`)"
+    )
+    assert summary["steps"] == RL_RECIPES["mini"].config.steps and summary["minutes"] <= 40
+    assert summary["train_rollout_logprob_abs_diff_max"] == 0.0
+
+    cases = [ep for key, ep in evaluate.tool_cases(40) if key == "set_timer"]
+    prompts = [evaluate.prompt_text(ep) for ep in cases]
+    llm = LLM(str(TIED_DIR), max_running_requests=64, lora_paths=[f"rl={SHIPPED_ADAPTER_DIR}"])
+    right = {}
+    for lora in (None, "rl"):
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128), use_tqdm=False, lora_name=lora)
+        right[lora] = sum(evaluate.tool_call_correct(ep, o.outputs[0].text) for ep, o in zip(cases, outs))
+    assert right["rl"] > right[None], right

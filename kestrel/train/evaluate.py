@@ -96,51 +96,85 @@ def arithmetic_correct(ep: Episode, text: str) -> bool:
     return final_answer(text) == ep.answer
 
 
-def _score(cases: list[tuple[str, Episode]], outputs: list[str], correct: Callable[[Episode, str], bool]) -> dict:
-    right: dict[str, list[bool]] = defaultdict(list)
+Grades = list[dict[str, bool]]  # per question: {category key: right?} (a question can count in several keys)
+
+
+def _grade(cases: list[tuple[str, Episode]], outputs: list[str], correct: Callable[[Episode, str], bool]) -> Grades:
+    """Each question under its category, and tool requests also under their places' origin (real or made up)."""
+    grades = []
     for (key, ep), text in zip(cases, outputs):
         ok = correct(ep, text)
-        right[key].append(ok)
+        row = {key: ok}
         places = [ep.meta["slots"][s] for s in PLACE_SLOTS if s in ep.meta.get("slots", {})]
         if places:
-            right["place:real" if all(p in REAL_PLACES for p in places) else "place:made_up"].append(ok)
+            row["place:real" if all(p in REAL_PLACES for p in places) else "place:made_up"] = ok
+        grades.append(row)
+    return grades
+
+
+def accuracy(grades: Grades, mean: bool = True) -> dict[str, float]:
+    """Accuracy per key, in first-seen order; `mean`: also the mean over categories (keys without a ':')."""
+    right: dict[str, list[bool]] = defaultdict(list)
+    for row in grades:
+        for key, ok in row.items():
+            right[key].append(ok)
     scores = {key: sum(v) / len(v) for key, v in right.items()}
     per_category = [v for key, v in scores.items() if ":" not in key]
-    return scores | {"mean": sum(per_category) / len(per_category)}
+    return scores | ({"mean": sum(per_category) / len(per_category)} if mean else {})
+
+
+def grade_arithmetic(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> Grades:
+    """Per question of `arithmetic_cases`: the exact final answer?"""
+    cases = arithmetic_cases(n, seed)
+    return _grade(cases, _generate(llm, [prompt_text(ep) for _, ep in cases], 256, lora_name), arithmetic_correct)
+
+
+def grade_tools(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> Grades:
+    """Per question of `tool_cases`: exactly the expected call (or none)?"""
+    cases = tool_cases(n, seed)
+    return _grade(cases, _generate(llm, [prompt_text(ep) for _, ep in cases], 128, lora_name), tool_call_correct)
 
 
 def eval_arithmetic(
     llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None
 ) -> dict[str, float]:
     """Accuracy per operation (2-digit addition, subtraction, one-digit multiplication, percentages)."""
-    cases = arithmetic_cases(n, seed)
-    outputs = _generate(llm, [prompt_text(ep) for _, ep in cases], 256, lora_name)
-    return _score(cases, outputs, arithmetic_correct)
+    return accuracy(grade_arithmetic(llm, n, seed, lora_name))
 
 
 def eval_tools(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> dict[str, float]:
     """Accuracy per tool (exact name + JSON arguments), `no_tool`, and by place origin (real or made up)."""
-    cases = tool_cases(n, seed)
-    outputs = _generate(llm, [prompt_text(ep) for _, ep in cases], 128, lora_name)
-    return _score(cases, outputs, tool_call_correct)
+    return accuracy(grade_tools(llm, n, seed, lora_name))
+
+
+def copy_grades(cases: list[Episode], outputs: list[str]) -> Grades:
+    """`copy_random`: the reply is exactly the span; `copy_random:in_reasoning`: the reasoning repeats it (the same
+    pieces as in the user turn, where the reply's first piece lacks the leading space)."""
+    return [
+        {
+            "copy_random": text.split(THINK_END)[-1].strip() == ep.answer,
+            "copy_random:in_reasoning": drill_reply(ep.answer)["reasoning_content"] in text.split(THINK_END)[0],
+        }
+        for ep, text in zip(cases, outputs)
+    ]
 
 
 def copy_scores(cases: list[Episode], outputs: list[str]) -> dict[str, float]:
-    """`copy_random`: the reply is exactly the span; `copy_random:in_reasoning`: the reasoning repeats it (the same
-    pieces as in the user turn, where the reply's first piece lacks the leading space)."""
-    reply = [text.split(THINK_END)[-1].strip() == ep.answer for ep, text in zip(cases, outputs)]
-    reasoning = [
-        drill_reply(ep.answer)["reasoning_content"] in text.split(THINK_END)[0] for ep, text in zip(cases, outputs)
-    ]
-    return {"copy_random": sum(reply) / len(reply), "copy_random:in_reasoning": sum(reasoning) / len(reasoning)}
+    """Accuracy of `copy_grades`."""
+    return accuracy(copy_grades(cases, outputs), mean=False)
 
 
-def eval_copy(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> dict[str, float]:
+def grade_copy(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> Grades:
     """Verbatim copies of n fresh pseudo-word spans asked in held-out phrasings: the skill a tool call's arguments
     need, with nothing to memorise."""
     rng = random.Random(seed + 2)
     cases = [random_span_episode(rng, HELD_OUT) for _ in range(n)]
-    return copy_scores(cases, _generate(llm, [prompt_text(ep) for ep in cases], 64, lora_name))
+    return copy_grades(cases, _generate(llm, [prompt_text(ep) for ep in cases], 64, lora_name))
+
+
+def eval_copy(llm: LLM, n: int = 200, seed: int = HELD_OUT_SEED, lora_name: str | None = None) -> dict[str, float]:
+    """Accuracy of `grade_copy`."""
+    return accuracy(grade_copy(llm, n, seed, lora_name), mean=False)
 
 
 def run_probes(llm: LLM, lora_name: str | None = None) -> list[tuple[str, str, bool]]:
@@ -160,4 +194,10 @@ EVALS: dict[str, Callable[..., dict[str, float]]] = {
     "arithmetic": eval_arithmetic,
     "tools": eval_tools,
     "copy": eval_copy,
+}
+# The same questions graded one by one, for paired comparisons (`kestrel eval --paired`); copy has no "mean".
+GRADERS: dict[str, tuple[Callable[..., Grades], bool]] = {
+    "arithmetic": (grade_arithmetic, True),
+    "tools": (grade_tools, True),
+    "copy": (grade_copy, False),
 }

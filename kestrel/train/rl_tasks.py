@@ -141,7 +141,7 @@ MINI_TASKS = TaskMix(
         Task("sub", 1.5, partial(arithmetic_prompt, "sub", None), exact_answer),
         Task("mul", 1.0, partial(arithmetic_prompt, "mul", None), exact_answer),
         Task("pct", 0.75, partial(arithmetic_prompt, "pct", None), exact_answer),
-        Task("add2", 0.5, partial(arithmetic_prompt, "add", 2), exact_answer),
+        Task("add2", 0.75, partial(arithmetic_prompt, "add", 2), exact_answer),
         Task("tools", 2.0, partial(tool_prompt, None), exact_tool_call),
     ),
     held_out=(

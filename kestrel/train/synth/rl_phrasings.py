@@ -4,6 +4,12 @@ RL prompts drawn from the SFT phrasings alone ask what the base already answers 
 nothing about unfamiliar wording; drawn from the held-out phrasings they would leak the test. These templates are
 neither (a test checks all three sets are distinct after normalisation), so an adapter that scores better on the
 held-out phrasings has learned to read new wording, not the test's.
+
+Each arithmetic template here is one the base answers right at least sometimes. Wording it never reads as the right
+operation gives all-wrong groups, no gradient, and rare lucky samples with outsized advantages: measured on the tied
+candidate (greedy 0 of 20; 1-2 right of 192 samples at T 1), "Deduct {b} from {a}" drew a multiplication trace, and
+"... less ...", "Remove ... from", "Reduce ... by", "... fewer than ...", "Starting from ..., take off" and "Increase
+... by" fared the same. They were dropped (run rl10 in the README).
 """
 
 from __future__ import annotations
@@ -13,19 +19,12 @@ ARITHMETIC_RL_TEMPLATES: dict[str, list[str]] = {
         "Tell me {a} plus {b}.",
         "Put {a} and {b} together. What do you have?",
         "Would you add up {a} and {b}?",
-        "Increase {a} by {b}.",
         "What does {a} plus {b} come to?",
         "{b} more than {a} is how much?",
     ],
     "sub": [
-        "Deduct {b} from {a}.",
-        "What is {a} less {b}?",
         "Tell me {a} minus {b}.",
-        "Remove {b} from {a}. What remains?",
-        "Reduce {a} by {b}.",
         "Would you work out {a} minus {b}?",
-        "{b} fewer than {a} is how much?",
-        "Starting from {a}, take off {b}. What is the result?",
     ],
     "mul": [
         "Tell me {a} times {b}.",
