@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -48,10 +49,17 @@ def test_generate_batch_mixing_base_and_adapter_matches_the_reference(setup):
 
 
 def test_openai_model_name_selects_the_adapter(setup):
-    http, _, _, _ = setup
+    http, name, _, _ = setup
     body = {"prompt": PROMPTS[1], "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
-    text = http.post("/v1/completions", json=body | {"model": "a1"}).json()["choices"][0]["text"]
-    assert text == _generate(http, PROMPTS[1], "a1").json()["text"]
+    answer = http.post("/v1/completions", json=body | {"model": "a1"}).json()
+    assert answer["choices"][0]["text"] == _generate(http, PROMPTS[1], "a1").json()["text"]
+    assert answer["model"] == "a1"  # the response names the adapter that answered, as vLLM's does
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=chat | {"model": "a1"}).json()["model"] == "a1"
+    stream = http.post("/v1/chat/completions", json=chat | {"model": "a1", "stream": True}).text
+    chunks = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {"a1"}
+    assert http.post("/v1/completions", json=body).json()["model"] == name
     missing = http.post("/v1/completions", json=body | {"model": "nope"})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 

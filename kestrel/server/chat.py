@@ -301,7 +301,7 @@ def _response(
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": ctx.response_model(req.model),
         "choices": choices,
         "usage": usage(len(output.prompt_token_ids), [output]),
     }
@@ -312,7 +312,7 @@ class ChatStream:
 
     def __init__(self, rid: str, req: ChatCompletionRequest, plan: ChatPlan, ctx: ServingContext, n_prompt: int):
         self.rid, self.req, self.ctx, self.n_prompt = rid, req, ctx, n_prompt
-        self.created = int(time.time())
+        self.created, self.model = int(time.time()), ctx.response_model(req.model)
         self.parsers = [ChatOutputParser(plan.parse_reasoning, plan.parse_tools, plan.think_open) for _ in range(req.n)]
         self.text_of = TokenText(ctx.engine.tokenizer)
 
@@ -321,7 +321,7 @@ class ChatStream:
             "id": self.rid,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.ctx.model_name,
+            "model": self.model,
             "choices": choices,
         }
         return sse(body | extra)

@@ -104,7 +104,7 @@ async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: Se
         "id": base,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": ctx.response_model(req.model),
         "choices": choices,
         "usage": usage(n_prompt, outputs),
     }
@@ -112,7 +112,7 @@ async def create_completion(req: CompletionRequest, client: HTTPRequest, ctx: Se
 
 
 async def _stream(base: str, req: CompletionRequest, gen: Generation, first, ctx: ServingContext, text_of, n_prompt):
-    created = int(time.time())
+    created, model = int(time.time()), ctx.response_model(req.model)
     offsets: dict[int, int] = {}
     finals = []
 
@@ -121,7 +121,7 @@ async def _stream(base: str, req: CompletionRequest, gen: Generation, first, ctx
         lp = completion_logprobs(d.token_ids, d.logprobs, d.top_logprobs, text_of, offsets.get(index, 0))
         offsets[index] = offsets.get(index, 0) + sum(len(text_of(t)) for t in d.token_ids)
         choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-        head = {"id": base, "object": "text_completion", "created": created, "model": ctx.model_name}
+        head = {"id": base, "object": "text_completion", "created": created, "model": model}
         return head | {"choices": [choice]}
 
     event = first
@@ -136,7 +136,7 @@ async def _stream(base: str, req: CompletionRequest, gen: Generation, first, ctx
             finals.append(event.output)
         if gen.finished:
             if req.include_usage:
-                body = {"id": base, "object": "text_completion", "created": created, "model": ctx.model_name}
+                body = {"id": base, "object": "text_completion", "created": created, "model": model}
                 yield sse(body | {"choices": [], "usage": usage(n_prompt, finals)})
             break
         event = await gen.next()

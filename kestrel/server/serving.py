@@ -63,6 +63,11 @@ class ServingContext:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter the request chose by name, else the served model (as vLLM
+        echoes it, so a client sees which adapter answered)."""
+        return self.check_model(model) or self.model_name
+
     def check_lora(self, name: str | None, param: str = "lora_path") -> str | None:
         if name is not None and name not in self.engine.lora_adapters:
             loaded = ", ".join(sorted(self.engine.lora_adapters)) or "none"
