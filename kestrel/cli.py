@@ -279,7 +279,7 @@ EVAL_ADAPTER = "eval"  # the name `kestrel eval --lora` loads its adapter under
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
-    from kestrel.train.evaluate import EVALS, GRADERS, accuracy, run_probes
+    from kestrel.train.evaluate import GRADERS, accuracy, run_probes
     from kestrel.train.paired_eval import compare
     from kestrel.train.vision_eval import eval_vision
 
@@ -290,8 +290,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     lora = {"lora_paths": [f"{EVAL_ADAPTER}={args.lora}"]} if args.lora else {}
     llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype, **lora)
     lora_name = EVAL_ADAPTER if args.lora else None
-    evals = {**EVALS, "vision": eval_vision}
-    tasks = [*EVALS, "probes"] if args.task == "all" else [args.task]  # all: the text tasks (vision needs a tower)
+    tasks = [*GRADERS, "probes"] if args.task == "all" else [args.task]  # all: the text tasks (vision needs a tower)
     report: dict = {}
     for task in tasks:
         if task == "probes":
@@ -300,18 +299,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
             for row in report["probes"]:
                 print(f"probes: {'right' if row['right'] else 'WRONG'}: {row['question']!r} -> {row['output']!r}")
             continue
-        if args.paired:
+        if task not in GRADERS:  # vision
+            report[task] = eval_vision(llm, args.n, lora_name=lora_name)
+            lines = {name: f"{value:.3f}" for name, value in report[task].items()}
+        else:
             grade, mean = GRADERS[task]
-            adapted = grade(llm, args.n, lora_name=lora_name)
-            paired = compare(grade(llm, args.n), adapted, mean)
-            report[task] = accuracy(adapted, mean)
-            report.setdefault("paired", {})[task] = {key: dataclasses.asdict(score) for key, score in paired.items()}
-            for name, score in paired.items():
-                print(f"{task}/{name}: {score.line()}")
-            continue
-        report[task] = evals[task](llm, args.n, lora_name=lora_name)
-        for name, value in report[task].items():
-            print(f"{task}/{name}: {value:.3f}")
+            graded = grade(llm, args.n, lora_name=lora_name)
+            report[task] = accuracy(graded, mean)
+            lines = {name: f"{value:.3f}" for name, value in report[task].items()}
+            if args.paired:  # the base on the same questions
+                paired = compare(grade(llm, args.n), graded, mean)
+                report.setdefault("paired", {})[task] = {name: dataclasses.asdict(s) for name, s in paired.items()}
+                lines = {name: score.line() for name, score in paired.items()}
+        for name, line in lines.items():
+            print(f"{task}/{name}: {line}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return 0

@@ -190,12 +190,7 @@ def run_probes(llm: LLM, lora_name: str | None = None) -> list[tuple[str, str, b
     return out
 
 
-EVALS: dict[str, Callable[..., dict[str, float]]] = {
-    "arithmetic": eval_arithmetic,
-    "tools": eval_tools,
-    "copy": eval_copy,
-}
-# The same questions graded one by one, for paired comparisons (`kestrel eval --paired`); copy has no "mean".
+# Each text task's grader and whether its scores have a "mean" (copy's two keys are one question's two readings).
 GRADERS: dict[str, tuple[Callable[..., Grades], bool]] = {
     "arithmetic": (grade_arithmetic, True),
     "tools": (grade_tools, True),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kestrel.train.evaluate import Grades, accuracy
+from kestrel.train.evaluate import Grades
 
 
 @dataclass(frozen=True)
@@ -48,21 +48,20 @@ def compare(base: Grades, adapted: Grades, mean: bool = True) -> dict[str, Paire
     questions. Raises ValueError when the two were not graded on the same questions."""
     if len(base) != len(adapted) or any(b.keys() != a.keys() for b, a in zip(base, adapted)):
         raise ValueError("grades: base and adapted must grade the same questions in the same order")
-    counts: dict[str, list[int]] = {}  # key -> [n, base right, adapted right, gained, lost]
+    pairs: dict[str, list[tuple[bool, bool]]] = {}  # key -> (base right, adapted right) per question
     for b_row, a_row in zip(base, adapted):
         for key, b in b_row.items():
-            a = a_row[key]
-            c = counts.setdefault(key, [0, 0, 0, 0, 0])
-            c[0] += 1
-            c[1] += b
-            c[2] += a
-            c[3] += a and not b
-            c[4] += b and not a
-    out = {k: PairedScore(c[1] / c[0], c[2] / c[0], c[3], c[4], c[0], mcnemar_p(c[3], c[4])) for k, c in counts.items()}
+            pairs.setdefault(key, []).append((b, a_row[key]))
+    out = {}
+    for key, rows in pairs.items():
+        gained, lost = sum(a and not b for b, a in rows), sum(b and not a for b, a in rows)
+        base_acc, adapted_acc = sum(b for b, _ in rows) / len(rows), sum(a for _, a in rows) / len(rows)
+        out[key] = PairedScore(base_acc, adapted_acc, gained, lost, len(rows), mcnemar_p(gained, lost))
     if mean:
         categories = [s for k, s in out.items() if ":" not in k]
         gained, lost = sum(s.gained for s in categories), sum(s.lost for s in categories)
-        base_mean, adapted_mean = accuracy(base)["mean"], accuracy(adapted)["mean"]
+        base_mean = sum(s.base for s in categories) / len(categories)  # as `accuracy` means them
+        adapted_mean = sum(s.adapted for s in categories) / len(categories)
         n = sum(s.n for s in categories)
         out["mean"] = PairedScore(base_mean, adapted_mean, gained, lost, n, mcnemar_p(gained, lost))
     return out
