@@ -276,3 +276,28 @@ def test_one_running_request_keeps_checkpoints_for_prompts_that_come_back(tiny_c
 
     _, _, old_hits = two_rounds(LLM(str(tiny_checkpoints["kimi_linear"]), max_state_checkpoints=2, **args))
     assert old_hits < hits
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "deepseek_v32"])
+def test_n_samples_compute_their_prompt_once_and_sample_what_they_would_alone(family, tiny_checkpoints):
+    """A GRPO-style group (n = 4 seeded samples of two prompts) prefills each prompt once: the other samples wait a
+    step and start from its checkpoint. In deterministic mode their tokens and logprobs are those of the engine
+    without a prefix cache, bit for bit."""
+    prompts = [_tokens(45, seed=7), _tokens(38, seed=8)]
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=3, logprobs=0, ignore_eos=True)
+    args = dict(max_total_tokens=4096, page_size=PAGE, deterministic_inference=True)
+
+    def run(**extra):
+        llm = LLM(str(tiny_checkpoints[family]), **args, **extra)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        samples = [(c.token_ids, c.logprobs, c.cached_tokens) for o in outs for c in o.outputs]
+        return llm, samples
+
+    shared, got = run()
+    _, alone = run(enable_prefix_caching=False)
+    assert [s[:2] for s in got] == [s[:2] for s in alone]
+    # Per prompt: one sample computes it, three start from its last page boundary (45 -> 32 + 13, 38 -> 32 + 6).
+    assert sorted(s[2] for s in got) == [0, 0] + [32] * 6
+    prefill = shared.engine.scheduler.num_computed_tokens - len(got) * (params.max_tokens - 1)
+    assert prefill == 45 + 38 + 3 * (13 + 6)
+    _assert_idle_and_clear(shared)

@@ -1,4 +1,5 @@
-"""The scheduler on its own (integers only): the order contract of a mixed step."""
+"""The scheduler on its own (integers only): the order contract of a mixed step, and the samples of one prompt
+sharing its prefill."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from kestrel.cache.kv_pool import PageAllocator
 from kestrel.cache.prefix import NoPrefixCache
+from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator
 from kestrel.engine.request import Request
 from kestrel.engine.sampling_params import SamplingParams
@@ -55,3 +57,65 @@ def test_slot_allocator_gives_requests_the_low_end_and_checkpoints_the_high_end(
     with pytest.raises(RuntimeError, match="freed twice"):
         slots.free(9)
     assert slots.num_used == 6 and slots.num_free == 0
+
+
+class _StateIO:
+    """The one device call a radix cache without HiCache makes: copying a KDA state between slots."""
+
+    def copy_state(self, src: int, dst: int) -> None:
+        pass
+
+
+def _radix_scheduler(with_state: bool, budget: int = 256, chunk: int = 64) -> Scheduler:
+    pages, slots = PageAllocator(256, 4), SlotAllocator(64 if with_state else 0)
+    cache = RadixCache(pages, slots, _StateIO(), 8)
+    return Scheduler(pages, slots, cache, 32, budget, chunked_prefill_size=chunk)
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_samples_of_one_prompt_wait_for_its_prefill_and_start_from_its_checkpoint(with_state):
+    """n samples of a 22-token prompt: the first prefills it, the others are passed over (a different prompt queued
+    after them is not) and start the next step from the prefix the first left: 20 tokens (a page multiple)."""
+    sched = _radix_scheduler(with_state)
+    params = SamplingParams(max_tokens=8)
+    prompt = list(range(3, 25))
+    samples = [Request("group", prompt, params, arrival=i) for i in range(4)]
+    other = Request("other", list(range(100, 110)), params, arrival=4)
+    for req in [*samples, other]:
+        sched.add(req)
+    first = sched.schedule()
+    assert [(c.request, c.start, c.num_tokens) for c in first.chunks] == [(samples[0], 0, 22), (other, 0, 10)]
+    _complete(sched, first)
+    second = sched.schedule()
+    started = {c.request: (c.start, c.num_tokens) for c in second.chunks if c.request in samples[1:]}
+    assert started == {req: (20, 2) for req in samples[1:]}
+    assert all(req.cached_tokens == 20 for req in samples[1:])
+    assert sched.num_computed_tokens == 22 + 10 + 3 * 2 + 2  # + the two decode rows of the first step's prompts
+
+
+def test_a_chunked_prefill_holds_its_samples_until_it_passes_the_shared_part():
+    """With a 16-token chunk cap the 40-token prompt takes three steps; its samples start once it is computed, from
+    the checkpoint a page before its end (a prompt ending on a page boundary)."""
+    sched = _radix_scheduler(with_state=True, chunk=16)
+    params = SamplingParams(max_tokens=4)
+    samples = [Request("group", list(range(3, 43)), params, arrival=i) for i in range(3)]
+    for req in samples:
+        sched.add(req)
+    for _ in range(3):
+        plan = sched.schedule()
+        assert [c.request for c in plan.chunks] == [samples[0]]
+        _complete(sched, plan)
+    plan = sched.schedule()
+    assert {c.request: c.start for c in plan.chunks if c.request is not samples[0]} == {samples[1]: 36, samples[2]: 36}
+
+
+def test_nothing_waits_without_a_prefix_cache_or_for_prompt_logprobs():
+    for sched, params in (
+        (_scheduler(8), SamplingParams(max_tokens=4)),
+        (_radix_scheduler(with_state=True), SamplingParams(max_tokens=4, prompt_logprobs=0)),
+    ):
+        samples = [Request("group", list(range(3, 30)), params, arrival=i) for i in range(3)]
+        for req in samples:
+            sched.add(req)
+        plan = sched.schedule()
+        assert {c.request for c in plan.chunks if c.start == 0} == set(samples)

@@ -57,6 +57,7 @@ class NoPrefixCache:
     """Prefix caching off: nothing matches, nothing is kept, releases free at once. Same interface as `RadixCache`."""
 
     takes_checkpoints = False
+    shares_prefixes = False  # nothing is ever reused, so no request waits for another's prefill
 
     def __init__(self, pages: PageAllocator, slots: SlotAllocator) -> None:
         self.allocator, self.slots = pages, slots

@@ -67,6 +67,8 @@ class RadixNode:
 class RadixCache:
     """The tree plus its allocators; takes and returns plain values (token ids, pages, slots), never requests."""
 
+    shares_prefixes = True
+
     def __init__(
         self,
         pages: PageAllocator,

@@ -24,6 +24,7 @@ from kestrel.cache.prefix import NoPrefixCache
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import SlotAllocator
 from kestrel.engine.request import Request, RequestStatus
+from kestrel.engine.shared_prefill import PrefillPartners
 
 
 @dataclass
@@ -254,11 +255,16 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, plan: SchedulePlan, budget: int) -> None:
-        """FCFS: admit from the queue head while slots, pages and budget last (a prefix hit starts it later)."""
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
+        """FCFS: admit from the queue head while slots, pages and budget last (a prefix hit starts it later).
+
+        A request whose prompt another request is prefilling right now is passed over until that prefill has left
+        its checkpoint in the cache (`shared_prefill`): the n samples of a prompt compute it once."""
+        partners = self._prefill_partners()
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_running:
+            req = self.waiting[i]
             if req.num_tokens > self.capacity_tokens:
-                self.waiting.popleft()
+                del self.waiting[i]
                 req.error = (
                     f"request needs {req.num_tokens} tokens of KV cache but the pool holds {self.capacity_tokens}"
                 )
@@ -267,6 +273,9 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
+            if partners is not None and self._waits_for_partner(req, partners):
+                i += 1
+                continue
             if self.max_loras is not None and req.lora_name is not None:
                 adapters = {r.lora_name for r in self.running if r.lora_name is not None}
                 if req.lora_name not in adapters and len(adapters) >= self.max_loras:
@@ -296,13 +305,33 @@ class Scheduler:
             if not self._reserve(req, req.computed_len + n):
                 self._unadmit(req)
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.slot is not None and req.computed_len == 0:
                 plan.fresh_slots.append(req.slot)
             plan.chunks.append(ScheduledChunk(req, req.computed_len, n))
             budget -= n
+            if partners is not None:
+                partners.add(req)
+
+    def _prefill_partners(self) -> PrefillPartners | None:
+        """The running requests that still prefill, for `_waits_for_partner` (None: no prefix cache to share)."""
+        if not self.cache.shares_prefixes:
+            return None
+        partners = PrefillPartners(
+            self.pages.page_size, getattr(self.cache, "track_interval", None), self.cache.has_state
+        )
+        for req in self.running:
+            partners.add(req)
+        return partners
+
+    def _waits_for_partner(self, req: Request, partners: PrefillPartners) -> bool:
+        """A running prefill will soon leave at least a page more of this prompt in the cache than it holds now."""
+        if req.params.prompt_logprobs is not None:
+            return False  # it computes every prompt row anyway
+        soon = partners.reusable_soon(req)
+        return soon > 0 and soon - self.cache.match(req.cache_ids).length >= self.pages.page_size
 
     # -- requests whose prompt another worker computes (prefill/decode disaggregation) -------------------
     def reserve_prompt(self, req: Request) -> bool:
