@@ -316,12 +316,11 @@ class Scheduler:
                 partners.add(req)
 
     def _prefill_partners(self) -> PrefillPartners | None:
-        """The running requests that still prefill, for `_waits_for_partner` (None: no prefix cache to share)."""
-        if not self.cache.shares_prefixes:
+        """The running requests that still prefill, for `_waits_for_partner` (None: nobody waits, or no prefix cache
+        to share)."""
+        if not self.waiting or not self.cache.shares_prefixes:
             return None
-        partners = PrefillPartners(
-            self.pages.page_size, getattr(self.cache, "track_interval", None), self.cache.has_state
-        )
+        partners = PrefillPartners(self.pages.page_size, self.cache.track_interval, self.cache.has_state)
         for req in self.running:
             partners.add(req)
         return partners

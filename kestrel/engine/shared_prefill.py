@@ -31,14 +31,17 @@ class PrefillPartners:
     `page_size`, `track_interval`, `has_state` are the prefix cache's: with KDA state a reusable prefix must end at
     a checkpoint, and a prefill leaves one for sure only at interval multiples and at the end of its prompt."""
 
-    def __init__(self, page_size: int, track_interval: int | None, has_state: bool) -> None:
+    def __init__(self, page_size: int, track_interval: int, has_state: bool) -> None:
         self.page_size, self.interval, self.has_state = page_size, track_interval, has_state
         self._by_first_page: dict[tuple[int, ...], list[Request]] = defaultdict(list)
 
     def add(self, req: Request) -> None:
-        """A request that will prefill (admitted, or running with prompt tokens left)."""
+        """A request that will prefill (admitted, or running with prompt tokens left); decoding ones are skipped
+        before their cache key is built (it copies every token)."""
+        if not req.in_prefill:
+            return
         ids = req.cache_ids
-        if len(ids) > self.page_size and req.num_tokens - req.computed_len > 1:
+        if len(ids) > self.page_size:
             partners = self._by_first_page[tuple(ids[: self.page_size])]
             partners.append(req)
             del partners[:-MAX_PARTNERS_PER_KEY]
@@ -48,7 +51,7 @@ class PrefillPartners:
         ps = self.page_size
         if not self.has_state:
             return limit // ps * ps  # attention only: every full page is committed
-        best = limit // self.interval * self.interval if self.interval else 0
+        best = limit // self.interval * self.interval
         end = partner.num_tokens // ps * ps  # its last prefill chunk checkpoints its last page boundary ...
         for pos in (end, end - ps if end == partner.num_tokens else -1):  # ... or one earlier if it ends on one
             if 0 < pos <= limit:
@@ -57,6 +60,8 @@ class PrefillPartners:
 
     def reusable_soon(self, req: Request) -> int:
         """How many tokens of `req`'s prompt a partner still prefilling will leave in the cache (0: none)."""
+        if not self._by_first_page:
+            return 0
         ids = req.cache_ids
         if len(ids) <= self.page_size:
             return 0
