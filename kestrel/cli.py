@@ -234,7 +234,7 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
 RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
 RL_OVERRIDES = (
     ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "minibatches", "lr", "seed", "eval_every")
-    + ("temperature", "threads", "engine_threads")
+    + ("temperature", "threads", "engine_threads", "engines")
     + RL_CLIP_OVERRIDES
 )
 
@@ -279,7 +279,7 @@ EVAL_ADAPTER = "eval"  # the name `kestrel eval --lora` loads its adapter under
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from kestrel import LLM
-    from kestrel.train.evaluate import GRADERS, accuracy, run_probes
+    from kestrel.train.evaluate import GRADERS, HELD_OUT_SEED, accuracy, run_probes
     from kestrel.train.paired_eval import compare
     from kestrel.train.vision_eval import eval_vision
 
@@ -290,6 +290,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     lora = {"lora_paths": [f"{EVAL_ADAPTER}={args.lora}"]} if args.lora else {}
     llm = LLM(args.model, max_total_tokens=65536, max_running_requests=64, kv_cache_dtype=args.kv_cache_dtype, **lora)
     lora_name = EVAL_ADAPTER if args.lora else None
+    seed = HELD_OUT_SEED if args.seed is None else args.seed
     tasks = [*GRADERS, "probes"] if args.task == "all" else [args.task]  # all: the text tasks (vision needs a tower)
     report: dict = {}
     for task in tasks:
@@ -300,15 +301,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 print(f"probes: {'right' if row['right'] else 'WRONG'}: {row['question']!r} -> {row['output']!r}")
             continue
         if task not in GRADERS:  # vision
-            report[task] = eval_vision(llm, args.n, lora_name=lora_name)
+            report[task] = eval_vision(llm, args.n, seed, lora_name=lora_name)
             lines = {name: f"{value:.3f}" for name, value in report[task].items()}
         else:
             grade, mean = GRADERS[task]
-            graded = grade(llm, args.n, lora_name=lora_name)
+            graded = grade(llm, args.n, seed, lora_name=lora_name)
             report[task] = accuracy(graded, mean)
             lines = {name: f"{value:.3f}" for name, value in report[task].items()}
             if args.paired:  # the base on the same questions
-                paired = compare(grade(llm, args.n), graded, mean)
+                paired = compare(grade(llm, args.n, seed), graded, mean)
                 report.setdefault("paired", {})[task] = {name: dataclasses.asdict(s) for name, s in paired.items()}
                 lines = {name: score.line() for name, score in paired.items()}
         for name, line in lines.items():
@@ -495,7 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads of each trainer rank (default: 1; the engine and the trainer take turns)",
     )
     rl.add_argument(
-        "--engine-threads", type=int, default=None, help="torch threads of the engine it starts (default: --threads)"
+        "--engine-threads", type=int, default=None, help="torch threads of each engine it starts (default: --threads)"
+    )
+    rl.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        help="engines it starts without --rollout-url, prompts dealt to them in turn (default: the recipe's)",
     )
     rl.add_argument(
         "--rollout-url",
@@ -527,6 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", required=True, choices=tasks, help="probes: the failures issue 18 reported; all: the text tasks"
     )
     ev.add_argument("-n", type=int, default=200, help="questions per category")
+    ev.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="draws the held-out questions (default: the fixed seed every reported table uses; another seed gives "
+        "a fresh test set that no earlier choice was made on)",
+    )
     ev.add_argument("--json", default=None, help="also write the scores to this file")
     ev.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache format to evaluate")
     ev.add_argument("--lora", default=None, help="a PEFT adapter folder: score the model with it on every question")

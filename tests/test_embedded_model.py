@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kestrel import LLM, SamplingParams
@@ -163,3 +165,29 @@ def test_eval_command_paired_asks_the_base_the_same_questions_as_the_adapter(tmp
         main(["eval", "--task", "copy", "--paired"])
     with pytest.raises(SystemExit, match="not vision"):
         main(["eval", "--task", "vision", "--lora", path, "--paired"])
+
+
+def test_eval_command_seed_draws_a_fresh_question_set(monkeypatch):
+    """`--seed`: the questions `grade_copy` draws from that seed (a test set no earlier choice was made on); without
+    it, the fixed held-out seed every reported table uses."""
+    import kestrel.train.evaluate as evaluate
+    from kestrel.cli import main
+    from kestrel.train.synth.copying import random_span_episode
+    from kestrel.train.synth.episode import HELD_OUT
+
+    asked: list[list[str]] = []
+
+    def record(llm, prompts, max_tokens, lora_name):
+        asked.append(prompts)
+        return [""] * len(prompts)
+
+    monkeypatch.setattr(evaluate, "_generate", record)
+
+    def drawn(seed: int) -> list[str]:
+        rng = random.Random(seed + 2)  # grade_copy's stream
+        return [evaluate.prompt_text(random_span_episode(rng, HELD_OUT)) for _ in range(4)]
+
+    assert main(["eval", "--task", "copy", "-n", "4"]) == 0
+    assert main(["eval", "--task", "copy", "-n", "4", "--seed", "7"]) == 0
+    assert asked == [drawn(evaluate.HELD_OUT_SEED), drawn(7)]
+    assert asked[0] != asked[1]

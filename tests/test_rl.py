@@ -293,6 +293,26 @@ def test_two_data_parallel_ranks_train_the_adapter_one_rank_does(tiny, engine, t
     assert worst <= TINY.config.lr / 40, worst
 
 
+def test_two_engines_the_run_starts_sample_what_one_engine_does(tiny, engine, tmp_path, three_steps):
+    """`engines=2`: the run starts two engines, deals the prompts to both and pushes each adapter to both; with
+    batch-invariant engines the rollouts, rewards and gradients are one engine's to the last bit."""
+    _, straight, _ = three_steps
+    job = _job(tiny, engine, tmp_path, "two", steps=2)
+    job = dataclasses.replace(job, rollout_urls=[], config=dataclasses.replace(job.config, engines=2))
+    state = run_rl(job)
+    for two, one in zip(state.history, straight.history[:2], strict=True):
+        assert (two["reward"], two["grad_norm"], two["rollout_tokens"]) == (
+            one["reward"],
+            one["grad_norm"],
+            one["rollout_tokens"],
+        )
+        assert two["train_rollout_logprob_abs_diff_max"] == 0.0
+    for name in ("engine.log", "engine1.log"):
+        log = (tmp_path / name).read_text()
+        assert log.count('"POST /generate') > 0 and log.count('"POST /load_lora_adapter') == 3, name  # versions 0-2
+        assert "Finished server process" in log and "Traceback" not in log, name  # each stopped cleanly
+
+
 def dies_on_rank_one(ep, text, ids) -> float:
     """A reward that kills data-parallel rank 1 (a rank crashing mid-step)."""
     if dist.is_initialized() and dist.get_rank() == 1:
@@ -353,6 +373,7 @@ def test_the_mini_recipe_adapts_the_tied_candidate_within_its_budget():
         ({"clip": ClipConfig(kl_coef=-1.0)}, "clip.kl_coef"),
         ({"lora_targets": ()}, "lora_targets"),
         ({"engine_threads": 0}, "engine_threads"),
+        ({"engines": 0}, "engines"),
         ({"temperature": 0.0}, "temperature"),
     ],
 )

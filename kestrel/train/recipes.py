@@ -333,6 +333,7 @@ RL_RECIPES = {
             max_minutes=40,
             threads=2,
             engine_threads=1,
+            engines=2,  # one engine a core while the trainer waits (benchmarks/rl_engines.py)
         ),
         model=str(TIED_DIR),
     ),

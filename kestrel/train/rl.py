@@ -22,6 +22,7 @@ fraction, TIS weights, rollout vs training tokens/s; held-out accuracy every `ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -80,7 +81,8 @@ class RLConfig:
     deterministic: bool = True  # batch-invariant trainer + --deterministic-inference engines: zero mismatch
     adapter_name: str = "policy"
     threads: int = 1  # torch threads of each trainer rank
-    engine_threads: int | None = None  # torch threads of the engine the recipe starts (None: `threads`)
+    engine_threads: int | None = None  # torch threads of each engine the recipe starts (None: `threads`)
+    engines: int = 1  # engines the run starts when given none; prompts are dealt to them in turn
 
 
 def check_config(cfg: RLConfig, nproc: int = 1) -> None:
@@ -109,6 +111,7 @@ def check_config(cfg: RLConfig, nproc: int = 1) -> None:
     need(cfg.max_minutes is None or cfg.max_minutes > 0, "max_minutes", "must be > 0")
     need(cfg.threads >= 1, "threads", "must be >= 1")
     need(cfg.engine_threads is None or cfg.engine_threads >= 1, "engine_threads", "must be >= 1")
+    need(cfg.engines >= 1, "engines", "must be >= 1")
     need(bool(cfg.adapter_name) and "/" not in cfg.adapter_name, "adapter_name", "must be a non-empty name")
     if nproc < 1 or nproc > cfg.prompts_per_step:
         raise ConfigError(f"nproc: {nproc} data-parallel ranks; need 1 .. prompts_per_step ({cfg.prompts_per_step})")
@@ -526,8 +529,9 @@ def _follow(groups: Groups, job: RLJob) -> None:
 
 
 def run_rl(job: RLJob, nproc: int = 1, dist_timeout: float = 1800.0) -> RLState:
-    """Start an engine unless `job.rollout_urls` names some, then train on `nproc` data-parallel ranks (one process
-    each, spawned as `kestrel serve --tp` spawns its ranks; gloo on CPU, NCCL on CUDA; a rank that dies stops all)."""
+    """Start the config's `engines` engines unless `job.rollout_urls` names some, then train on `nproc` data-parallel
+    ranks (one process each, spawned as `kestrel serve --tp` spawns its ranks; gloo on CPU, NCCL on CUDA; a rank that
+    dies stops all)."""
     check_config(job.config, nproc)
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -536,8 +540,17 @@ def run_rl(job: RLJob, nproc: int = 1, dist_timeout: float = 1800.0) -> RLState:
             return _train(job, nproc, dist_timeout)
         flags = engine_flags(job.config, load_model_config(job.model_path))
         threads = job.config.engine_threads or job.config.threads
-        with EngineProcess(job.model, flags, out / "engine.log", threads) as engine:
-            return _train(replace(job, rollout_urls=[engine.url]), nproc, dist_timeout)
+        with contextlib.ExitStack() as engines:  # stopped in reverse order, each with SIGINT
+            urls = [
+                engines.enter_context(EngineProcess(job.model, flags, out / engine_log_name(i), threads)).url
+                for i in range(job.config.engines)
+            ]
+            return _train(replace(job, rollout_urls=urls), nproc, dist_timeout)
+
+
+def engine_log_name(index: int) -> str:
+    """The log file of the index-th engine a run starts: engine.log, engine1.log, ..."""
+    return f"engine{index or ''}.log"
 
 
 def _train(job: RLJob, nproc: int, dist_timeout: float) -> RLState:
