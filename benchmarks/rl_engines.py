@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -28,7 +29,7 @@ from report import write_result
 from kestrel.config import load_model_config
 from kestrel.tokenizer import load_tokenizer
 from kestrel.train.recipes import RL_RECIPES
-from kestrel.train.rl import engine_flags
+from kestrel.train.rl import engine_flags, rollout_seeds
 from kestrel.train.rollout_client import EngineProcess, RolloutClient, adapter_checksum
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rl_engines.json"
@@ -39,7 +40,7 @@ def rollout(client: RolloutClient, prompts: list[list[int]], cfg, seeds: list[in
     """Per sample (tokens, logprobs); wall seconds."""
     t0 = time.perf_counter()
     groups = client.generate(
-        prompts, cfg.samples_per_prompt, cfg.max_new_tokens, seeds, cfg.temperature, "policy", True, ()
+        prompts, cfg.samples_per_prompt, cfg.max_new_tokens, seeds, temperature=cfg.temperature, lora="policy"
     )
     seconds = time.perf_counter() - t0
     return [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for g in groups for r in g], seconds
@@ -60,7 +61,7 @@ def main() -> None:
 
     drawn = recipe.tasks.sample(random.Random(args.seed), n_prompts, load_tokenizer(recipe.model))
     prompts = [p.ids for p in drawn]
-    seeds = [args.seed * 4096 + g * cfg.samples_per_prompt for g in range(n_prompts)]
+    seeds = rollout_seeds(dataclasses.replace(cfg, seed=args.seed), 0, list(range(n_prompts)))  # the run's step 1
     flags = engine_flags(cfg, load_model_config(recipe.model))
     times: dict[str, list[float]] = {"one engine": [], "two engines": []}
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:

@@ -160,6 +160,12 @@ def engine_flags(cfg: RLConfig, model_cfg) -> list[str]:
     return flags + (["--deterministic-inference"] if cfg.deterministic else [])
 
 
+def rollout_seeds(cfg: RLConfig, step: int, groups: list[int]) -> list[int]:
+    """The sampling seed of each group's first sample at a step (sample i uses seed + i): one stream per run seed,
+    whatever rank or engine serves the group."""
+    return [(cfg.seed * 1_000_003 + step) * 4096 + g * cfg.samples_per_prompt for g in groups]
+
+
 def capture_fields(model_cfg) -> list[str]:
     """The routing records this model's replay consumes."""
     fields = ["routed_experts"] if "moe" in model_cfg.mlp_kinds else []
@@ -266,12 +272,11 @@ class GRPOTrainer:
 
     def rollouts(self, prompts: list[Prompt], mine: list[int], step: int) -> list[list[tuple[Rollout, str]]]:
         n = self.cfg.samples_per_prompt
-        seeds = [(self.cfg.seed * 1_000_003 + step) * 4096 + g * n for g in mine]  # samples: seed + i
         results = self.client.generate(
             [prompts[g].ids for g in mine],
             n,
             self.cfg.max_new_tokens,
-            seeds,
+            rollout_seeds(self.cfg, step, mine),
             temperature=self.cfg.temperature,
             lora=self.cfg.adapter_name,
             capture=self.capture,
