@@ -13,6 +13,9 @@ import random
 import re
 import shutil
 import signal
+import socket
+import struct
+import threading
 import time
 from pathlib import Path
 
@@ -32,13 +35,21 @@ from kestrel.models.builtin import TIED_DIR
 from kestrel.models.checkpoint import make_model, text_weights_sha256
 from kestrel.models.loader import load_model
 from kestrel.models.lora import load_peft
+from kestrel.server.args import SERVER_KEEPALIVE_S
 from kestrel.server.serving import json_float
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
 from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
 from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
-from kestrel.train.rollout_client import EngineProcess, RolloutError, adapter_checksum, check_finite
+from kestrel.train.rollout_client import (
+    RETRIES,
+    EngineProcess,
+    RolloutClient,
+    RolloutError,
+    adapter_checksum,
+    check_finite,
+)
 from kestrel.train.routing_replay import sequence_logprobs
 from kestrel.train.synth.arithmetic import HELD_OUT_TEMPLATES, TRAIN_TEMPLATES, arithmetic_episode
 from kestrel.train.synth.episode import TRAIN, split_of
@@ -242,6 +253,52 @@ def test_a_non_finite_logprob_is_sent_as_null_and_stops_the_step():
     bad = {"meta_info": {"id": "b", "output_token_logprobs": [[-0.5, 3, None], [None, 4, None]]}}
     with pytest.raises(RolloutError, match="rollout b: token 1 has a non-finite logprob"):
         check_finite([[ok, bad]])
+
+
+class DroppingEngine:
+    """A socket server on loopback that resets its first `drops` connections under the request (as an engine's
+    keep-alive timer can) and answers the rest with one `/generate` result."""
+
+    ANSWER = json.dumps({"text": "ok", "meta_info": {"id": "r0"}}).encode()
+
+    def __init__(self, drops: int) -> None:
+        self.drops, self.accepted = drops, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed by the test
+                return
+            with conn:
+                conn.recv(65536)
+                self.accepted += 1
+                if self.accepted <= self.drops:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+                    continue
+                head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(self.ANSWER)}"
+                conn.sendall(head.encode() + b"\r\nconnection: close\r\n\r\n" + self.ANSWER)
+
+
+def test_a_dropped_connection_is_sent_again_and_an_engine_that_never_answers_is_named():
+    """The keep-alive race (a request sent on a connection as the engine closes it: "connection reset by peer")
+    stopped a recipe run at step 10; now it costs one more request. An engine that resets every try still fails the
+    step, naming its URL; the client also drops idle connections before `kestrel serve` does."""
+    flaky = DroppingEngine(drops=RETRIES)
+    client = RolloutClient([flaky.url])
+    assert client.generate([[1, 2, 3]], n=1, max_new_tokens=4) == [[json.loads(DroppingEngine.ANSWER)]]
+    assert flaky.accepted == RETRIES + 1
+    dead = DroppingEngine(drops=RETRIES + 1)
+    with pytest.raises(RolloutError, match=re.escape(f"{dead.url}/generate: no answer")):
+        RolloutClient([dead.url]).generate([[1, 2, 3]], n=1, max_new_tokens=4)
+    assert dead.accepted == RETRIES + 1
+    assert client.http._transport._pool._keepalive_expiry < SERVER_KEEPALIVE_S
+    client.close()
+    flaky.sock.close()
+    dead.sock.close()
 
 
 def test_the_reference_pass_is_the_base_and_the_policy_pass_is_the_engine(tiny, engine, tmp_path, three_steps):

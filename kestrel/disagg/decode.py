@@ -31,6 +31,7 @@ from kestrel.disagg.messages import AuxRow, FirstToken, TransferState, prompt_di
 from kestrel.disagg.role import POLL_WAIT_S, RoleEvents, TransferRecord, advertised_host
 from kestrel.disagg.transfer import make_backend
 from kestrel.engine.request import Request, RequestStatus
+from kestrel.server.args import CLIENT_KEEPALIVE_S
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class DecodeRole:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
-        self._http = httpx.Client(timeout=HTTP_TIMEOUT_S)
+        self._http = httpx.Client(timeout=HTTP_TIMEOUT_S, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self._thread = threading.Thread(target=self._receive_loop, name="kestrel-pd-receiver", daemon=True)
         self._thread.start()
 

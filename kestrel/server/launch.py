@@ -16,7 +16,7 @@ import uvicorn
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.models.builtin import builtin_model_path
-from kestrel.server.args import ServerConfig
+from kestrel.server.args import SERVER_KEEPALIVE_S, ServerConfig
 from kestrel.server.async_engine import AsyncEngine
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.openai_api import build_app
@@ -88,6 +88,7 @@ def make_server(engine_config: EngineConfig, config: ServerConfig) -> uvicorn.Se
         port=config.port,
         log_level=logging.getLevelName(min(logging.getLogger("kestrel").getEffectiveLevel(), logging.INFO)).lower(),
         timeout_graceful_shutdown=config.graceful_shutdown_timeout + ABORT_GRACE_S,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
     )
     return _Server(uv, async_engine, config.graceful_shutdown_timeout)
 

@@ -26,9 +26,14 @@ import httpx
 
 from kestrel.dist.launch import free_port
 from kestrel.models.lora import WEIGHTS_FILE
+from kestrel.server.args import CLIENT_KEEPALIVE_S
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
+
+# A request whose connection dropped before any answer is sent again on a new one: `/generate` with a sampling seed
+# and an adapter upsert with a version give the same result twice. Timeouts are not retried.
+RETRIES = 2
 
 
 class RolloutError(RuntimeError):
@@ -48,7 +53,8 @@ class RolloutClient:
             raise ValueError("rollout_urls: need at least one engine or router URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.sync_urls = [u.rstrip("/") for u in (sync_urls or urls)]
-        self.http = httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=256))
+        limits = httpx.Limits(max_connections=256, keepalive_expiry=CLIENT_KEEPALIVE_S)
+        self.http = httpx.Client(timeout=timeout, limits=limits)
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kestrel-rollout")
 
     def close(self) -> None:
@@ -56,10 +62,14 @@ class RolloutClient:
         self.http.close()
 
     def _post(self, url: str, path: str, body: dict[str, Any]) -> Any:
-        try:
-            resp = self.http.post(url + path, json=body)
-        except httpx.TransportError as exc:
-            raise RolloutError(f"{url}{path}: no answer ({type(exc).__name__}: {exc})") from None
+        for attempt in range(RETRIES + 1):
+            try:
+                resp = self.http.post(url + path, json=body)
+                break
+            except httpx.TransportError as exc:
+                if attempt == RETRIES or isinstance(exc, httpx.TimeoutException):
+                    raise RolloutError(f"{url}{path}: no answer ({type(exc).__name__}: {exc})") from None
+                log.warning("%s%s: connection dropped (%s), sending again", url, path, type(exc).__name__)
         if resp.status_code != 200:
             raise RolloutError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp.json()
