@@ -31,11 +31,11 @@ from kestrel.cli import main
 from kestrel.config import ConfigError, load_model_config
 from kestrel.dist.groups import ParallelLayout, single_groups
 from kestrel.dist.launch import RankFailure, free_port
+from kestrel.keepalive import SERVER_KEEPALIVE_S
 from kestrel.models.builtin import TIED_DIR
 from kestrel.models.checkpoint import make_model, text_weights_sha256
 from kestrel.models.loader import load_model
 from kestrel.models.lora import load_peft
-from kestrel.server.args import SERVER_KEEPALIVE_S
 from kestrel.server.serving import json_float
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES

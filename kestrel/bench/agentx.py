@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from kestrel.keepalive import CLIENT_KEEPALIVE_S
+
 # Common English and tool-output words: mostly one token each in BPE vocabularies, so n words ≈ n tokens.
 WORDS = tuple(
     """the of and to in is that for it as with was on be by this are or from at an not have which but all were
@@ -327,7 +329,11 @@ async def _served_model(client: httpx.AsyncClient) -> str | None:
 
 async def _sweep(cfg: BenchConfig) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=max(cfg.concurrency))
+    limits = httpx.Limits(
+        max_connections=max(cfg.concurrency) + 4,
+        max_keepalive_connections=max(cfg.concurrency),
+        keepalive_expiry=CLIENT_KEEPALIVE_S,  # sessions idle between turns: drop a connection before the server does
+    )
     async with httpx.AsyncClient(base_url=cfg.root_url, headers=headers, timeout=cfg.timeout, limits=limits) as client:
         served = await _served_model(client)
         model = cfg.model or served

@@ -31,7 +31,7 @@ from kestrel.disagg.messages import AuxRow, FirstToken, TransferState, prompt_di
 from kestrel.disagg.role import POLL_WAIT_S, RoleEvents, TransferRecord, advertised_host
 from kestrel.disagg.transfer import make_backend
 from kestrel.engine.request import Request, RequestStatus
-from kestrel.server.args import CLIENT_KEEPALIVE_S
+from kestrel.keepalive import CLIENT_KEEPALIVE_S
 
 log = logging.getLogger(__name__)
 

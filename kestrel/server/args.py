@@ -7,11 +7,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# uvicorn closes a connection idle this long. A pooled client must drop its idle connections sooner: with equal
-# timers (httpx's default expiry is also 5 s) a request sent on a connection as the server closes it dies with
-# "connection reset by peer" (it stopped a 40-minute `kestrel rl` run at step 10).
-SERVER_KEEPALIVE_S = 5
-CLIENT_KEEPALIVE_S = 2.0
 REASONING_PARSERS = ("kimi", "none")
 TOOL_CALL_PARSERS = ("kimi_k2", "none")
 

@@ -15,8 +15,9 @@ import uvicorn
 
 from kestrel.engine.config import EngineConfig
 from kestrel.engine.engine import Engine
+from kestrel.keepalive import SERVER_KEEPALIVE_S
 from kestrel.models.builtin import builtin_model_path
-from kestrel.server.args import SERVER_KEEPALIVE_S, ServerConfig
+from kestrel.server.args import ServerConfig
 from kestrel.server.async_engine import AsyncEngine
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.openai_api import build_app

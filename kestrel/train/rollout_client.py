@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 
 from kestrel.dist.launch import free_port
+from kestrel.keepalive import CLIENT_KEEPALIVE_S
 from kestrel.models.lora import WEIGHTS_FILE
-from kestrel.server.args import CLIENT_KEEPALIVE_S
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
