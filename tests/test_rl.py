@@ -5,6 +5,7 @@ pushed, a resumed run equal to an uninterrupted one, two data-parallel ranks equ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -267,6 +268,12 @@ class DroppingEngine:
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
 
+    def __enter__(self) -> DroppingEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()  # ends the accept loop
+
     def _serve(self) -> None:
         while True:
             try:
@@ -287,18 +294,14 @@ def test_a_dropped_connection_is_sent_again_and_an_engine_that_never_answers_is_
     """The keep-alive race (a request sent on a connection as the engine closes it: "connection reset by peer")
     stopped a recipe run at step 10; now it costs one more request. An engine that resets every try still fails the
     step, naming its URL; the client also drops idle connections before `kestrel serve` does."""
-    flaky = DroppingEngine(drops=RETRIES)
-    client = RolloutClient([flaky.url])
-    assert client.generate([[1, 2, 3]], n=1, max_new_tokens=4) == [[json.loads(DroppingEngine.ANSWER)]]
-    assert flaky.accepted == RETRIES + 1
-    dead = DroppingEngine(drops=RETRIES + 1)
-    with pytest.raises(RolloutError, match=re.escape(f"{dead.url}/generate: no answer")):
-        RolloutClient([dead.url]).generate([[1, 2, 3]], n=1, max_new_tokens=4)
-    assert dead.accepted == RETRIES + 1
-    assert client.http._transport._pool._keepalive_expiry < SERVER_KEEPALIVE_S
-    client.close()
-    flaky.sock.close()
-    dead.sock.close()
+    with DroppingEngine(drops=RETRIES) as flaky, contextlib.closing(RolloutClient([flaky.url])) as client:
+        assert client.generate([[1, 2, 3]], n=1, max_new_tokens=4) == [[json.loads(DroppingEngine.ANSWER)]]
+        assert flaky.accepted == RETRIES + 1
+        assert client.http._transport._pool._keepalive_expiry < SERVER_KEEPALIVE_S
+    with DroppingEngine(drops=RETRIES + 1) as dead, contextlib.closing(RolloutClient([dead.url])) as client:
+        with pytest.raises(RolloutError, match=re.escape(f"{dead.url}/generate: no answer")):
+            client.generate([[1, 2, 3]], n=1, max_new_tokens=4)
+        assert dead.accepted == RETRIES + 1
 
 
 def test_the_reference_pass_is_the_base_and_the_policy_pass_is_the_engine(tiny, engine, tmp_path, three_steps):

@@ -31,8 +31,8 @@ from kestrel.models.lora import WEIGHTS_FILE
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
 
-# A request whose connection dropped before any answer is sent again on a new one: `/generate` with a sampling seed
-# and an adapter upsert with a version give the same result twice. Timeouts are not retried.
+# A request whose connection dropped before a whole answer came back is sent again on a new one: `/generate` with a
+# sampling seed and an adapter upsert with a version give the same result twice. Timeouts are not retried.
 RETRIES = 2
 
 
