@@ -30,7 +30,7 @@ from kestrel.train.synth.episode import Episode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo_signal.json"
 HELD_OUT_TOKENS = 256  # `kestrel eval`'s arithmetic budget
-Check = Callable[[Episode, str], bool]
+Check = Callable[[Episode, str, list[int]], bool]  # (episode, completion text, its token ids) -> right?
 
 
 def sample_right(
@@ -38,7 +38,7 @@ def sample_right(
 ) -> list[list[bool]]:
     """Per episode, per sample: right?"""
     outs = llm.generate([evaluate.prompt_text(ep) for ep in episodes], params, use_tqdm=False, lora_name=lora)
-    return [[check(ep, c.text) for c in o.outputs] for ep, o in zip(episodes, outs)]
+    return [[check(ep, c.text, c.token_ids) for c in o.outputs] for ep, o in zip(episodes, outs)]
 
 
 def group_shares(groups: list[list[bool]]) -> dict[str, float]:
@@ -64,7 +64,12 @@ def reach(greedy: list[bool], groups: list[list[bool]]) -> dict[str, float | int
     }
 
 
+def held_out_right(ep: Episode, text: str, ids: list[int]) -> bool:
+    return evaluate.arithmetic_correct(ep, text)
+
+
 def measure(llm: LLM, lora: str | None, args: argparse.Namespace) -> dict[str, dict]:
+    """One policy (`lora`: an adapter's name, or None for the base): the task rows, then the held-out cells."""
     recipe = RL_RECIPES["mini"]
     cfg = recipe.config
     sampled = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, n=args.samples, seed=args.seed)
@@ -72,7 +77,7 @@ def measure(llm: LLM, lora: str | None, args: argparse.Namespace) -> dict[str, d
     for task in recipe.tasks.tasks:
         rng = random.Random(args.seed)
         episodes = [task.make(rng) for _ in range(args.prompts)]
-        groups = sample_right(llm, episodes, lambda ep, text, t=task: t.reward(ep, text, []) > 0, sampled, lora)
+        groups = sample_right(llm, episodes, lambda ep, text, ids, t=task: t.reward(ep, text, ids) > 0, sampled, lora)
         tasks[task.name] = group_shares(groups)
         print(f"  task {task.name:6s} {_fmt(tasks[task.name])}")
     cells = {}
@@ -82,8 +87,8 @@ def measure(llm: LLM, lora: str | None, args: argparse.Namespace) -> dict[str, d
     cases = evaluate.arithmetic_cases(args.held_out, args.eval_seed)
     for key in dict.fromkeys(k for k, _ in cases):
         episodes = [ep for k, ep in cases if k == key]
-        greedy = [g[0] for g in sample_right(llm, episodes, evaluate.arithmetic_correct, _greedy(), lora)]
-        groups = sample_right(llm, episodes, evaluate.arithmetic_correct, held_sampled, lora)
+        greedy = [g[0] for g in sample_right(llm, episodes, held_out_right, _greedy(), lora)]
+        groups = sample_right(llm, episodes, held_out_right, held_sampled, lora)
         cells[key] = reach(greedy, groups)
         print(f"  held-out {key:18s} {_fmt(cells[key])}")
     return {"tasks": tasks, "held_out": cells}
