@@ -30,6 +30,7 @@ from kestrel.train.synth.episode import Episode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo_signal.json"
 HELD_OUT_TOKENS = 256  # `kestrel eval`'s arithmetic budget
+RECIPE = RL_RECIPES["mini"]
 Check = Callable[[Episode, str, list[int]], bool]  # (episode, completion text, its token ids) -> right?
 
 
@@ -70,24 +71,24 @@ def held_out_right(ep: Episode, text: str, ids: list[int]) -> bool:
 
 def measure(llm: LLM, lora: str | None, args: argparse.Namespace) -> dict[str, dict]:
     """One policy (`lora`: an adapter's name, or None for the base): the task rows, then the held-out cells."""
-    recipe = RL_RECIPES["mini"]
-    cfg = recipe.config
+    cfg = RECIPE.config
     sampled = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, n=args.samples, seed=args.seed)
     tasks = {}
-    for task in recipe.tasks.tasks:
+    for task in RECIPE.tasks.tasks:
         rng = random.Random(args.seed)
         episodes = [task.make(rng) for _ in range(args.prompts)]
         groups = sample_right(llm, episodes, lambda ep, text, ids, t=task: t.reward(ep, text, ids) > 0, sampled, lora)
         tasks[task.name] = group_shares(groups)
         print(f"  task {task.name:6s} {_fmt(tasks[task.name])}")
     cells = {}
+    greedy_params = SamplingParams(temperature=0, max_tokens=HELD_OUT_TOKENS)
     held_sampled = SamplingParams(
         temperature=cfg.temperature, max_tokens=HELD_OUT_TOKENS, n=args.samples, seed=args.seed
     )
     cases = evaluate.arithmetic_cases(args.held_out, args.eval_seed)
     for key in dict.fromkeys(k for k, _ in cases):
         episodes = [ep for k, ep in cases if k == key]
-        greedy = [g[0] for g in sample_right(llm, episodes, held_out_right, _greedy(), lora)]
+        greedy = [g[0] for g in sample_right(llm, episodes, held_out_right, greedy_params, lora)]
         groups = sample_right(llm, episodes, held_out_right, held_sampled, lora)
         cells[key] = reach(greedy, groups)
         print(f"  held-out {key:18s} {_fmt(cells[key])}")
@@ -96,10 +97,6 @@ def measure(llm: LLM, lora: str | None, args: argparse.Namespace) -> dict[str, d
 
 def _fmt(row: dict[str, float | int]) -> str:
     return "  ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.3f}" for k, v in row.items())
-
-
-def _greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=HELD_OUT_TOKENS)
 
 
 def main() -> None:
@@ -113,11 +110,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    recipe = RL_RECIPES["mini"]
-    args.samples = args.samples or recipe.config.samples_per_prompt
-    print(f"torch threads: {torch.get_num_threads()}; {args.samples} samples at T {recipe.config.temperature}")
+    args.samples = args.samples or RECIPE.config.samples_per_prompt
+    print(f"torch threads: {torch.get_num_threads()}; {args.samples} samples at T {RECIPE.config.temperature}")
     llm = LLM(
-        recipe.model,
+        RECIPE.model,
         dtype="float32",
         deterministic_inference=True,
         max_running_requests=256,
@@ -132,12 +128,12 @@ def main() -> None:
     write_result(
         RESULTS,
         "grpo_signal",
-        model=recipe.model,
+        model=RECIPE.model,
         adapter_path=args.lora,
         prompts_per_task=args.prompts,
         held_out_per_cell=args.held_out,
         samples=args.samples,
-        temperature=recipe.config.temperature,
+        temperature=RECIPE.config.temperature,
         seed=args.seed,
         eval_seed=args.eval_seed,
         policies=found,
