@@ -25,6 +25,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.train import evaluate
 from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl_tasks import arithmetic_prompt
+from kestrel.train.synth.arithmetic import carry_crosses_ten, subtraction_columns
 
 RESULTS = Path(__file__).resolve().parent / "results" / "arithmetic_slips.json"
 PRODUCT = re.compile(r"(\d+)x(\d+)=(\d+)")
@@ -54,36 +55,15 @@ def sub_slips(text: str) -> dict[str, bool]:
     }
 
 
-def mul_carry_crosses_ten(a: int, b: int) -> bool:
-    """Some digit product plus the carry into it crosses a ten (the step `45+6=51`)."""
-    carry = 0
-    for digit in reversed(str(a)):
-        product = int(digit) * b
-        if carry and product % 10 + carry >= 10:
-            return True
-        carry = (product + carry) // 10
-    return False
-
-
-def sub_columns(a: int, b: int) -> dict[str, bool]:
-    """Whether some column has equal digits (no borrow due) and whether some column needs a borrow."""
-    top, bottom, borrow = str(a), str(b).rjust(len(str(a)), "0"), 0
-    equal = needs = False
-    for x, y in zip(reversed(top), reversed(bottom)):
-        x_left = int(x) - borrow
-        equal |= x_left == int(y)
-        borrow = int(x_left < int(y))
-        needs |= bool(borrow)
-    return {"equal_column": equal, "borrow_column": needs}
-
-
 def training_shares(draws: int, seed: int) -> dict[str, float]:
     """Over `draws` training prompts of each operation: the share whose operands call for each slipping step."""
     rng = random.Random(seed)
     muls = [arithmetic_prompt("mul", None, rng).meta for _ in range(draws)]
-    subs = [sub_columns(m["a"], m["b"]) for m in (arithmetic_prompt("sub", None, rng).meta for _ in range(draws))]
+    subs = [
+        subtraction_columns(m["a"], m["b"]) for m in (arithmetic_prompt("sub", None, rng).meta for _ in range(draws))
+    ]
     return {
-        "mul_carry_crosses_ten": sum(mul_carry_crosses_ten(m["a"], m["b"]) for m in muls) / draws,
+        "mul_carry_crosses_ten": sum(carry_crosses_ten(m["a"], m["b"]) for m in muls) / draws,
         "sub_equal_column": sum(s["equal_column"] for s in subs) / draws,
         "sub_borrow_column": sum(s["borrow_column"] for s in subs) / draws,
     }

@@ -2,7 +2,8 @@
 
 A group of samples teaches GRPO only when they disagree: all right or all wrong, every advantage is 0 and the group
 is filtered out. So a task lifts only through its mixed groups, and a held-out question the policy misses moves only
-if some sample of it can be right. For each of the recipe's tasks this draws `--prompts` training prompts (its own
+if some sample of it can be right. For each of the recipe's tasks (and the slip tasks,
+`kestrel.train.rl_tasks.SLIP_TASKS`, where the recipe lacks them) this draws `--prompts` training prompts (its own
 prompts, as a step draws them) and samples `--samples` of each at the recipe's temperature and token budget: the
 share of groups all right, mixed and all wrong. For each held-out arithmetic cell (`kestrel eval`'s questions, on
 `--seed`) it answers greedily, as the evaluation does, then samples the same way: of the greedy misses, the share
@@ -26,6 +27,7 @@ from report import write_result
 from kestrel import LLM, SamplingParams
 from kestrel.train import evaluate
 from kestrel.train.recipes import RL_RECIPES
+from kestrel.train.rl_tasks import SLIP_TASKS
 from kestrel.train.synth.episode import Episode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "grpo_signal.json"
@@ -74,7 +76,8 @@ def measure(llm: LLM, lora: str | None, args: argparse.Namespace) -> dict[str, d
     cfg = RECIPE.config
     sampled = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, n=args.samples, seed=args.seed)
     tasks = {}
-    for task in RECIPE.tasks.tasks:
+    recipe_names = {t.name for t in RECIPE.tasks.tasks}
+    for task in RECIPE.tasks.tasks + tuple(t for t in SLIP_TASKS if t.name not in recipe_names):
         rng = random.Random(args.seed)
         episodes = [task.make(rng) for _ in range(args.prompts)]
         groups = sample_right(llm, episodes, lambda ep, text, ids, t=task: t.reward(ep, text, ids) > 0, sampled, lora)

@@ -42,7 +42,16 @@ from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups,
 from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
 from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
-from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, Task, TaskMix, mostly_even, parity_prompt
+from kestrel.train.rl_tasks import (
+    MINI_TASKS,
+    PARITY_TASKS,
+    SLIP_TASKS,
+    Task,
+    TaskMix,
+    calls_for_a_slipping_step,
+    mostly_even,
+    parity_prompt,
+)
 from kestrel.train.rollout_client import (
     RETRIES,
     EngineProcess,
@@ -52,7 +61,7 @@ from kestrel.train.rollout_client import (
     check_finite,
 )
 from kestrel.train.routing_replay import sequence_logprobs
-from kestrel.train.synth.arithmetic import HELD_OUT_TEMPLATES, TRAIN_TEMPLATES, arithmetic_episode
+from kestrel.train.synth.arithmetic import HELD_OUT_TEMPLATES, TRAIN_TEMPLATES, arithmetic_episode, solve
 from kestrel.train.synth.episode import TRAIN, split_of
 from kestrel.train.synth.phrasing import normalized
 from kestrel.train.synth.places import place_split
@@ -143,6 +152,34 @@ def test_rewards_are_exact_final_answers_and_exact_tool_calls():
     twice = render_tool_calls([call("get_weather", args)] * 2)
     assert tools.reward(ep, twice, []) == 0.0
     assert tools.reward(ep, right.replace("}<|tool_call_end|>", "<|tool_call_end|>"), []) == 0.0  # not JSON
+
+
+def test_slip_tasks_ask_only_operands_whose_trace_has_the_slipping_step():
+    """Read off each worked trace: a mul carry addition whose sum crosses a ten (`45+6=51`), a sub column with equal
+    digits (`2-2=0`) or a borrow. The slip tasks ask only such questions, in the training split; the plain tasks
+    also ask others."""
+    crossing = re.compile(r"(\d+)\+(\d+)=(\d+)")
+    equal_or_borrow = re.compile(r"\b(\d)-\1=0\.|borrow 1")
+
+    def trace_has_slipping_step(op: str, a: int, b: int) -> bool:
+        trace = solve(op, a, b)[0].split(" So ")[0]
+        if op == "mul":
+            return any(int(p) // 10 != int(s) // 10 for p, _, s in crossing.findall(trace))
+        return bool(equal_or_borrow.search(trace))
+
+    rng = random.Random(11)
+    for op in ("mul", "sub"):
+        plain, slip = MINI_TASKS.task(op), next(t for t in SLIP_TASKS if t.name == f"{op}_slip")
+        for task, expect_only_slips in ((slip, True), (plain, False)):
+            has = []
+            for _ in range(300):
+                meta = task.make(rng).meta
+                assert meta["op"] == op and split_of(f"{op}:{meta['a']}:{meta['b']}") == TRAIN
+                assert calls_for_a_slipping_step(op, meta["a"], meta["b"]) == trace_has_slipping_step(
+                    op, meta["a"], meta["b"]
+                )
+                has.append(calls_for_a_slipping_step(op, meta["a"], meta["b"]))
+            assert all(has) if expect_only_slips else 0 < sum(has) < len(has)
 
 
 def test_rl_prompts_never_use_a_held_out_phrasing_or_slot_value():

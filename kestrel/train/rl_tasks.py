@@ -18,7 +18,12 @@ from functools import partial
 from tokenizers import Tokenizer
 
 from kestrel.train import evaluate
-from kestrel.train.synth.arithmetic import TRAIN_TEMPLATES, arithmetic_episode
+from kestrel.train.synth.arithmetic import (
+    TRAIN_TEMPLATES,
+    arithmetic_episode,
+    carry_crosses_ten,
+    subtraction_columns,
+)
 from kestrel.train.synth.episode import TRAIN, Episode
 from kestrel.train.synth.rl_phrasings import ARITHMETIC_RL_TEMPLATES, TOOL_RL_TEMPLATES
 from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
@@ -109,6 +114,26 @@ def arithmetic_prompt(op: str, digits: int | None, rng: random.Random) -> Episod
     return ep
 
 
+def calls_for_a_slipping_step(op: str, a: int, b: int) -> bool:
+    """Whether the operands call for a trace step the base slips on (benchmarks/arithmetic_slips.py): a mul carry
+    addition that crosses a ten, or a sub column with equal digits or a borrow."""
+    if op == "mul":
+        return carry_crosses_ten(a, b)
+    if op == "sub":
+        return any(subtraction_columns(a, b).values())
+    raise ValueError(f"calls_for_a_slipping_step: no slipping step known for {op!r}")
+
+
+def slip_prompt(op: str, rng: random.Random) -> Episode:
+    """A training `op` question whose operands call for a slipping step: drawn like `arithmetic_prompt` (the same
+    phrasings and split), redrawn until they do (about 1 in 6 mul draws and 1 in 2 sub draws qualify)."""
+    for _ in range(1000):
+        ep = arithmetic_prompt(op, None, rng)
+        if calls_for_a_slipping_step(op, ep.meta["a"], ep.meta["b"]):
+            return ep
+    raise RuntimeError(f"slip_prompt: no {op} operands with a slipping step in 1000 draws")
+
+
 def tool_prompt(category: str | None, rng: random.Random) -> Episode:
     """A tool request (of `category`, or one drawn by the generator's weights) in training slot values."""
     return tool_episode(rng, TRAIN, category, templates=TOOL_PHRASINGS)
@@ -136,6 +161,14 @@ def held_out_arithmetic(n: int) -> list[tuple[str, Episode]]:
 # the base to decline by request type ("a timer, but no tool offered can set timers" with set_timer offered: held-out
 # set_timer 0.83 -> 0.08 in 10 steps): declining had reward variance, while the right calls were already all right
 # (zero variance, no gradient) and nothing held them.
+# Questions whose operands call for the steps the base slips on (benchmarks/arithmetic_slips.py): a mul carry that
+# crosses a ten (17% of plain mul draws) and a sub column with equal digits or a borrow. On the base, at T 0.7, they
+# give a gradient (mixed groups) about twice as often as plain draws (benchmarks/grpo_signal.py). Not in the mini
+# recipe: the run that trained on them (rl16, README: GRPO) lifted mul with new operands but lost add2.
+SLIP_TASKS = (
+    Task("sub_slip", 1.0, partial(slip_prompt, "sub"), exact_answer),
+    Task("mul_slip", 1.0, partial(slip_prompt, "mul"), exact_answer),
+)
 MINI_TASKS = TaskMix(
     tasks=(
         Task("sub", 1.5, partial(arithmetic_prompt, "sub", None), exact_answer),

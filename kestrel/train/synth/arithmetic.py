@@ -183,6 +183,31 @@ def percent_trace(p: int, n: int) -> str:
     return body + f" So {p}% of {n} is {p * n // 100}."
 
 
+# -- which trace steps an operand pair calls for (the steps the base slips on: benchmarks/arithmetic_slips.py) --------
+def carry_crosses_ten(a: int, d: int) -> bool:
+    """Some digit product of `a x d` plus the carry into it crosses a ten (the trace step `45+6=51`)."""
+    carry = 0
+    for digit in reversed(str(a)):
+        product = int(digit) * d
+        if carry and product % 10 + carry >= 10:
+            return True
+        carry = (product + carry) // 10
+    return False
+
+
+def subtraction_columns(a: int, b: int) -> dict[str, bool]:
+    """Whether some column of `a - b` has equal digits after the borrow (`2-2=0`, no borrow due) and whether some
+    column needs a borrow (`4<5 so 14-5=9`)."""
+    top, bottom, borrow = str(a), str(b).rjust(len(str(a)), "0"), 0
+    equal = needs = False
+    for x, y in zip(reversed(top), reversed(bottom)):
+        due = int(y) + borrow
+        equal |= int(x) == due
+        borrow = int(int(x) < due)
+        needs |= bool(borrow)
+    return {"equal_column": equal, "borrow_column": needs}
+
+
 # -- episodes ---------------------------------------------------------------------------------------------
 def _operands(rng: random.Random, op: str, digits: int | None) -> tuple[int, int]:
     if op == "pct":
