@@ -157,10 +157,6 @@ def held_out_arithmetic(n: int) -> list[tuple[str, Episode]]:
     return cases
 
 
-# Tool requests keep the generator's share of `no_tool` requests (about 9%). A separate, heavier no_tool task taught
-# the base to decline by request type ("a timer, but no tool offered can set timers" with set_timer offered: held-out
-# set_timer 0.83 -> 0.08 in 10 steps): declining had reward variance, while the right calls were already all right
-# (zero variance, no gradient) and nothing held them.
 # Questions whose operands call for the steps the base slips on (benchmarks/arithmetic_slips.py): a mul carry that
 # crosses a ten (17% of plain mul draws) and a sub column with equal digits or a borrow. On the base, at T 0.7, they
 # give a gradient (mixed groups) about twice as often as plain draws (benchmarks/grpo_signal.py). Not in the mini
@@ -169,6 +165,11 @@ SLIP_TASKS = (
     Task("sub_slip", 1.0, partial(slip_prompt, "sub"), exact_answer),
     Task("mul_slip", 1.0, partial(slip_prompt, "mul"), exact_answer),
 )
+
+# Tool requests keep the generator's share of `no_tool` requests (about 9%). A separate, heavier no_tool task taught
+# the base to decline by request type ("a timer, but no tool offered can set timers" with set_timer offered: held-out
+# set_timer 0.83 -> 0.08 in 10 steps): declining had reward variance, while the right calls were already all right
+# (zero variance, no gradient) and nothing held them.
 MINI_TASKS = TaskMix(
     tasks=(
         Task("sub", 1.5, partial(arithmetic_prompt, "sub", None), exact_answer),
