@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	# CPU torch 2.13 is CUDA-built: installed into the venv it breaks every transformers import, so it goes to a
 	# side folder that tests/hf_fixtures.py puts on the path of one child process.
 	$(PY) -m pip install -q --no-deps --target $(VENV)/oracle-torchvision torchvision==0.28.0
-	# Build the compiled CPU kernels now (~25 s, once per machine) rather than in the first engine start.
+	# Build the compiled CPU kernels now (~25 s, once per Python environment) rather than in the first engine start.
 	$(PY) -c "from kestrel.models.layers import cpu_kernels; cpu_kernels.module()"
 	touch $(STAMP)
 

@@ -3,6 +3,8 @@ the PyTorch ops they replace, and their use by the engine."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from test_kda_layer import _layer, _prefill_case, _States
@@ -34,6 +36,15 @@ def torch_ops(monkeypatch):
 
 def test_the_kernel_builds_on_this_machine() -> None:
     assert cpu_kernels.module() is not None
+
+
+def test_each_python_environment_builds_its_own_kernels(monkeypatch) -> None:
+    """Two checkouts' venvs must not share a build folder: torch rebuilds when the include paths differ, so each
+    would rebuild the other's kernels at its next engine start."""
+    here = cpu_kernels.build_name()
+    assert here.isidentifier() and here == cpu_kernels.build_name()
+    monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-checkout")
+    assert cpu_kernels.build_name() != here
 
 
 @pytest.mark.parametrize("T", [1, 7, 9])

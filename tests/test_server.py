@@ -790,6 +790,40 @@ def test_sigint_with_write_back_flushes_the_disk_tier_and_a_restart_hits_it(chec
         _stop_cleanly(proc, signal.SIGTERM, log)
 
 
+# A server still loading: `make_server` stands in for the model load / kernel build, so the signal lands there.
+STARTING_SERVER = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a non-interactive shell inherits it
+from kestrel.server import launch
+def loading(*args):
+    print("loading", flush=True)
+    time.sleep(120)
+    sys.exit(3)
+launch.make_server = loading
+launch.serve(None, None)
+print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_server_is_still_starting_stops_it_cleanly(sig):
+    """The signal arrives before uvicorn's own handlers exist, and SIGINT was inherited ignored: the server must
+    still stop (exit 0, no traceback) instead of going on to serve."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STARTING_SERVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "loading"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and out.strip() == "stopped", (proc.returncode, out, err)
+    assert "Traceback" not in err
+
+
 def _stop_cleanly(proc: subprocess.Popen, sig: int, log: Path) -> None:
     """Signal a `_serve` server once; it must exit 0 with no traceback (killed, and failing, if it hangs)."""
     if proc.poll() is None:

@@ -80,7 +80,7 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         cfg = self.model_config
         if self.device.type == "cpu":
-            cpu_kernels.module()  # build (once per machine) or load the compiled CPU kernels now, not in a request
+            cpu_kernels.module()  # build (once per environment) or load the compiled CPU kernels now, not in a request
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         # Per rank: DCP shards every page's tokens; pipeline stages hold their layers' pools only (the fullest one
         # bounds the pool every stage allocates).

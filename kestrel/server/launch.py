@@ -126,11 +126,18 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
 
     uvicorn handles both signals itself, then raises them again with the handlers it found installed: SIGINT as
     KeyboardInterrupt, SIGTERM (by default) as a kill. Both end here, after the clean shutdown, as a normal return.
+    Both handlers are installed before the model loads, so a signal while the server is still starting (loading,
+    building the CPU kernels) stops it too: a process started in the background by a non-interactive shell inherits
+    SIGINT ignored, and that SIGINT was lost until uvicorn's own handlers went in, leaving the server running.
     """
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _on_sigterm),
+    }
     try:
         make_server(engine_config, config).run()
     except (KeyboardInterrupt, _Terminated):
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

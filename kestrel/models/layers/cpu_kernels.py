@@ -1,4 +1,4 @@
-"""Kestrel's compiled CPU kernels (`*_cpu.cpp` here), built once per machine and loaded by every process.
+"""Kestrel's compiled CPU kernels (`*_cpu.cpp` here), built once per Python environment, loaded by every process.
 
 Why: a decode step or a verify block of a small model spends its time on op dispatch, not arithmetic. A few loops
 that PyTorch would run as dozens of tiny ATen ops a layer are written in C++ instead: KDA's token loop and its conv
@@ -6,18 +6,20 @@ that PyTorch would run as dozens of tiny ATen ops a layer are written in C++ ins
 and MLA decode attention read from the KV pool (`mla_cpu.cpp`, used by `mla`); `cpu_common.cpp` holds what they
 share.
 
-Built by `torch.utils.cpp_extension` (g++ and ninja) into torch's extensions folder by `make setup`, or else the
-first time an engine starts on CPU (~25 s, then a cached load of well under a second). Used only for fp32 CPU
-tensors outside autograd, the compiler and batch-invariant mode (whose trainer must see the very same ops);
-everything else, a machine without a compiler, and `KESTREL_CPU_KERNELS=0` run the PyTorch ops. Each kernel agrees
-with the ops it replaces to fp32 rounding (tests/test_cpu_kernels.py), and decode steps and verify blocks take the
-same arithmetic, so their outputs stay identical to each other.
+Built by `torch.utils.cpp_extension` (g++ and ninja) into torch's extensions folder (one build per Python
+environment) by `make setup`, or else the first time an engine starts on CPU (~25 s, then a cached load of well under
+a second). Used only for fp32 CPU tensors outside autograd, the compiler and batch-invariant mode (whose trainer
+must see the very same ops); everything else, a machine without a compiler, and `KESTREL_CPU_KERNELS=0` run the
+PyTorch ops. Each kernel agrees with the ops it replaces to fp32 rounding (tests/test_cpu_kernels.py), and decode
+steps and verify blocks take the same arithmetic, so their outputs stay identical to each other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -58,13 +60,20 @@ def module() -> ModuleType | None:
     return _built["module"]
 
 
+def build_name() -> str:
+    """The extension's name, one per Python environment: torch keys its build folder by name and rebuilds when the
+    build's include paths change, so two checkouts' venvs sharing one name rebuilt each other's kernels (~25-55 s
+    at the next engine start, enough to miss a health check)."""
+    return "kestrel_cpu_kernels_" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+
+
 def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import load_inline
 
     t0 = time.perf_counter()
     try:
         mod = load_inline(
-            "kestrel_cpu_kernels",
+            build_name(),
             cpp_sources=[path.read_text() for path in SOURCES],
             functions=FUNCTIONS,
             # -fopenmp: at::parallel_for's inline OpenMP region (torch's own libgomp serves it at run time)
