@@ -156,20 +156,23 @@ def test_rewards_are_exact_final_answers_and_exact_tool_calls():
 
 def test_slip_tasks_ask_only_operands_whose_trace_has_the_slipping_step():
     """Read off each worked trace: a mul carry addition whose sum crosses a ten (`45+6=51`), a sub column with equal
-    digits (`2-2=0`) or a borrow. The slip tasks ask only such questions, in the training split; the plain tasks
-    also ask others."""
+    digits (`2-2=0`) or a borrow, an add column with a carry coming in (`3+3+1=7`). The slip tasks ask only such
+    questions, in the training split; the plain tasks also ask others."""
     crossing = re.compile(r"(\d+)\+(\d+)=(\d+)")
     equal_or_borrow = re.compile(r"\b(\d)-\1=0\.|borrow 1")
+    carry_in = re.compile(r"\b\d\+\d\+1=")
 
     def trace_has_slipping_step(op: str, a: int, b: int) -> bool:
         trace = solve(op, a, b)[0].split(" So ")[0]
         if op == "mul":
             return any(int(p) // 10 != int(s) // 10 for p, _, s in crossing.findall(trace))
+        if op == "add":
+            return bool(carry_in.search(trace))
         return bool(equal_or_borrow.search(trace))
 
     rng = random.Random(11)
-    for op in ("mul", "sub"):
-        plain, slip = MINI_TASKS.task(op), next(t for t in SLIP_TASKS if t.name == f"{op}_slip")
+    for op, name in (("mul", "mul"), ("sub", "sub"), ("add", "add2")):
+        plain, slip = MINI_TASKS.task(name), next(t for t in SLIP_TASKS if t.name == f"{name}_slip")
         for task, expect_only_slips in ((slip, True), (plain, False)):
             has = []
             for _ in range(300):

@@ -21,6 +21,7 @@ from kestrel.train import evaluate
 from kestrel.train.synth.arithmetic import (
     TRAIN_TEMPLATES,
     arithmetic_episode,
+    carry_comes_in,
     carry_crosses_ten,
     subtraction_columns,
 )
@@ -116,19 +117,22 @@ def arithmetic_prompt(op: str, digits: int | None, rng: random.Random) -> Episod
 
 def calls_for_a_slipping_step(op: str, a: int, b: int) -> bool:
     """Whether the operands call for a trace step the base slips on (benchmarks/arithmetic_slips.py): a mul carry
-    addition that crosses a ten, or a sub column with equal digits or a borrow."""
+    addition that crosses a ten, a sub column with equal digits or a borrow, or an add column with a carry coming in
+    (the step rl16's adapter added twice: README, GRPO)."""
     if op == "mul":
         return carry_crosses_ten(a, b)
     if op == "sub":
         return any(subtraction_columns(a, b).values())
+    if op == "add":
+        return carry_comes_in(a, b)
     raise ValueError(f"calls_for_a_slipping_step: no slipping step known for {op!r}")
 
 
-def slip_prompt(op: str, rng: random.Random) -> Episode:
+def slip_prompt(op: str, digits: int | None, rng: random.Random) -> Episode:
     """A training `op` question whose operands call for a slipping step: drawn like `arithmetic_prompt` (the same
-    phrasings and split), redrawn until they do (about 1 in 6 mul draws and 1 in 2 sub draws qualify)."""
+    phrasings and split), redrawn until they do (about 1 in 6 mul draws, 1 in 2 sub and 2-digit add draws qualify)."""
     for _ in range(1000):
-        ep = arithmetic_prompt(op, None, rng)
+        ep = arithmetic_prompt(op, digits, rng)
         if calls_for_a_slipping_step(op, ep.meta["a"], ep.meta["b"]):
             return ep
     raise RuntimeError(f"slip_prompt: no {op} operands with a slipping step in 1000 draws")
@@ -158,12 +162,14 @@ def held_out_arithmetic(n: int) -> list[tuple[str, Episode]]:
 
 
 # Questions whose operands call for the steps the base slips on (benchmarks/arithmetic_slips.py): a mul carry that
-# crosses a ten (17% of plain mul draws) and a sub column with equal digits or a borrow. On the base, at T 0.7, they
-# give a gradient (mixed groups) about twice as often as plain draws (benchmarks/grpo_signal.py). Not in the mini
-# recipe: the run that trained on them (rl16, README: GRPO) lifted mul with new operands but lost add2.
+# crosses a ten (17% of plain mul draws), a sub column with equal digits or a borrow, and a 2-digit add column with a
+# carry coming in. On the base, at T 0.7, the mul and sub ones give a gradient (mixed groups) about twice as often as
+# plain draws (benchmarks/grpo_signal.py). rl16 trained on the first two and lost add2 (a carry added twice); rl17
+# added add2_slip, which held add2 (README: GRPO).
 SLIP_TASKS = (
-    Task("sub_slip", 1.0, partial(slip_prompt, "sub"), exact_answer),
-    Task("mul_slip", 1.0, partial(slip_prompt, "mul"), exact_answer),
+    Task("sub_slip", 1.0, partial(slip_prompt, "sub", None), exact_answer),
+    Task("mul_slip", 1.0, partial(slip_prompt, "mul", None), exact_answer),
+    Task("add2_slip", 1.0, partial(slip_prompt, "add", 2), exact_answer),
 )
 
 # Tool requests keep the generator's share of `no_tool` requests (about 9%). A separate, heavier no_tool task taught

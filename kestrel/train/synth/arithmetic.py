@@ -195,6 +195,17 @@ def carry_crosses_ten(a: int, d: int) -> bool:
     return False
 
 
+def carry_comes_in(a: int, b: int) -> bool:
+    """Some column of `a + b` adds a carry from the column before (the trace step `3+3+1=7`; the final carry aside)."""
+    da, db, carry = str(a)[::-1], str(b)[::-1], 0
+    for i in range(max(len(da), len(db))):
+        if carry:
+            return True
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        carry = (x + y + carry) // 10
+    return False
+
+
 def subtraction_columns(a: int, b: int) -> dict[str, bool]:
     """Whether some column of `a - b` has equal digits after the borrow (`2-2=0`, no borrow due) and whether some
     column needs a borrow (`4<5 so 14-5=9`)."""
