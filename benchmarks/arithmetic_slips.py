@@ -19,11 +19,11 @@ import re
 from pathlib import Path
 
 import torch
+from grpo_policy import MODEL, POLICY, policy_llm
 from report import write_result
 
-from kestrel import LLM, SamplingParams
+from kestrel import SamplingParams
 from kestrel.train import evaluate
-from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl_tasks import arithmetic_prompt
 from kestrel.train.synth.arithmetic import carry_crosses_ten, subtraction_columns
 
@@ -79,14 +79,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
-    model = RL_RECIPES["mini"].model
-    lora = {"enable_lora": True, "lora_paths": [f"policy={args.lora}"]} if args.lora else {}
-    llm = LLM(model, dtype="float32", deterministic_inference=True, max_running_requests=256, **lora)
+    llm = policy_llm(args.lora)
     checks = {"sub": sub_slips, "mul": mul_slips}
     cases = [(key, ep) for key, ep in evaluate.arithmetic_cases(args.n, args.seed) if key in checks]
     params = SamplingParams(temperature=0, max_tokens=256)
     outs = llm.generate(
-        [evaluate.prompt_text(ep) for _, ep in cases], params, use_tqdm=False, lora_name="policy" if args.lora else None
+        [evaluate.prompt_text(ep) for _, ep in cases], params, use_tqdm=False, lora_name=POLICY if args.lora else None
     )
     found = {
         key: {"questions": 0, "misses": 0, "any_slip": 0} | dict.fromkeys(check(""), 0) for key, check in checks.items()
@@ -108,7 +106,7 @@ def main() -> None:
     write_result(
         RESULTS,
         "arithmetic_slips",
-        model=model,
+        model=MODEL,
         adapter_path=args.lora,
         n=args.n,
         seed=args.seed,

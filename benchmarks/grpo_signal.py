@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from grpo_policy import POLICY, policy_llm
 from report import write_result
 
 from kestrel import LLM, SamplingParams
@@ -115,15 +116,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.samples = args.samples or RECIPE.config.samples_per_prompt
     print(f"torch threads: {torch.get_num_threads()}; {args.samples} samples at T {RECIPE.config.temperature}")
-    llm = LLM(
-        RECIPE.model,
-        dtype="float32",
-        deterministic_inference=True,
-        max_running_requests=256,
-        enable_lora=bool(args.lora),
-        lora_paths=[f"policy={args.lora}"] if args.lora else None,
-    )
-    policies = {"base": None} | ({"adapter": "policy"} if args.lora else {})
+    llm = policy_llm(args.lora)
+    policies = {"base": None} | ({"adapter": POLICY} if args.lora else {})
     found = {}
     for name, lora in policies.items():
         print(name)

@@ -18,11 +18,11 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from grpo_policy import MODEL, POLICY, policy_llm
 from report import write_result
 
-from kestrel import LLM, SamplingParams
+from kestrel import SamplingParams
 from kestrel.train import evaluate
-from kestrel.train.recipes import RL_RECIPES
 from kestrel.train.rl_tasks import ARITHMETIC_PHRASINGS
 from kestrel.train.synth.arithmetic import HELD_OUT_TEMPLATES, arithmetic_episode
 from kestrel.train.synth.episode import HELD_OUT
@@ -58,9 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
-    model = RL_RECIPES["mini"].model
-    lora = {"enable_lora": True, "lora_paths": [f"policy={args.lora}"]} if args.lora else {}
-    llm = LLM(model, dtype="float32", deterministic_inference=True, max_running_requests=256, **lora)
+    llm = policy_llm(args.lora)
     rng = random.Random(args.seed)
     cases = [
         (op, t, arithmetic_episode(rng, HELD_OUT, op, None, [t], "high", 0.0))
@@ -69,7 +67,7 @@ def main() -> None:
         for _ in range(args.n)
     ]
     params = SamplingParams(temperature=0, max_tokens=160)
-    lora_name = "policy" if args.lora else None
+    lora_name = POLICY if args.lora else None
     outs = llm.generate([evaluate.prompt_text(ep) for *_, ep in cases], params, use_tqdm=False, lora_name=lora_name)
     rows: dict[str, dict] = {}
     for (op, template, ep), out in zip(cases, outs):
@@ -85,7 +83,7 @@ def main() -> None:
     write_result(
         RESULTS,
         "held_out_phrasings",
-        model=model,
+        model=MODEL,
         adapter_path=args.lora,
         n=args.n,
         seed=args.seed,
