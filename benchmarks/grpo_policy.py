@@ -12,7 +12,7 @@ POLICY = "policy"  # the adapter's name in the engine (`lora_name=POLICY` answer
 MODEL = RL_RECIPES["mini"].model
 
 
-def policy_llm(lora: str | None) -> LLM:
-    """The GRPO base, with the PEFT adapter folder `lora` served as `policy` when given."""
+def policy_llm(lora: str | None, model: str = MODEL) -> LLM:
+    """The GRPO base (or another `model`), with the PEFT adapter folder `lora` served as `policy` when given."""
     adapter = {"enable_lora": True, "lora_paths": [f"{POLICY}={lora}"]} if lora else {}
-    return LLM(MODEL, dtype="float32", deterministic_inference=True, max_running_requests=256, **adapter)
+    return LLM(model, dtype="float32", deterministic_inference=True, max_running_requests=256, **adapter)

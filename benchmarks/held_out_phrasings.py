@@ -7,6 +7,7 @@ traced as another operation is a misread question, not an arithmetic slip, and n
 says, per phrasing, whether its words outside the slots all occur in some training phrasing (SFT or RL's own).
 
     .venv/bin/python benchmarks/held_out_phrasings.py          # 24 questions per phrasing (~1 min)
+    .venv/bin/python benchmarks/held_out_phrasings.py --recipe mini-wide   # the base trained on the wider phrasings
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from grpo_policy import MODEL, POLICY, policy_llm
+from grpo_policy import POLICY, policy_llm
 from report import write_result
 
 from kestrel import SamplingParams
 from kestrel.train import evaluate
-from kestrel.train.rl_tasks import ARITHMETIC_PHRASINGS
+from kestrel.train.recipes import RL_RECIPES
+from kestrel.train.rl_tasks import ARITHMETIC_PHRASINGS, WIDE_ARITHMETIC_PHRASINGS
 from kestrel.train.synth.arithmetic import HELD_OUT_TEMPLATES, arithmetic_episode
 from kestrel.train.synth.episode import HELD_OUT
 
@@ -31,6 +33,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "held_out_phrasings.json
 CLOSING = re.compile(r"So (?:(\d+)% of \d+|\d+ ([-+x]) \d+|half of \d+) ")
 TRACED_AS = {"+": "add", "-": "sub", "x": "mul"}
 WORD = re.compile(r"[a-z]+")
+# Each RL recipe's base and the phrasings it was trained on (its SFT ones) or asked in (RL's own).
+PHRASINGS = {"mini": ARITHMETIC_PHRASINGS, "mini-wide": WIDE_ARITHMETIC_PHRASINGS}
 
 
 def traced_operation(text: str) -> str:
@@ -43,9 +47,9 @@ def traced_operation(text: str) -> str:
     return "pct" if m.group(1) or m.group(0).startswith("So half") else TRACED_AS[m.group(2)]
 
 
-def unseen_words(template: str) -> list[str]:
-    """Words of a held-out phrasing that no training phrasing of any operation uses."""
-    seen = {w for ts in ARITHMETIC_PHRASINGS.values() for t in ts for w in WORD.findall(t.lower())}
+def unseen_words(template: str, phrasings: dict[str, list[str]]) -> list[str]:
+    """Words of a held-out phrasing that no training phrasing (of any operation) in `phrasings` uses."""
+    seen = {w for ts in phrasings.values() for t in ts for w in WORD.findall(t.lower())}
     return sorted({w for w in WORD.findall(template.lower()) if w not in {"a", "b"}} - seen)
 
 
@@ -54,11 +58,14 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=24, help="questions per held-out phrasing")
     ap.add_argument("--seed", type=int, default=5, help="draws the operands")
     ap.add_argument("--lora", default=None, help="answer with this PEFT adapter folder instead of the base")
+    ap.add_argument("--recipe", default="mini", choices=list(PHRASINGS), help="RL recipe: its base and phrasings")
+    ap.add_argument("--model", default=None, help="the base that answers (default: the recipe's)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
-    llm = policy_llm(args.lora)
+    model = args.model or RL_RECIPES[args.recipe].model
+    llm = policy_llm(args.lora, model)
     rng = random.Random(args.seed)
     cases = [
         (op, t, arithmetic_episode(rng, HELD_OUT, op, None, [t], "high", 0.0))
@@ -72,7 +79,8 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for (op, template, ep), out in zip(cases, outs):
         text = out.outputs[0].text
-        new_row = {"op": op, "right": 0, "traced_as": Counter(), "unseen": unseen_words(template)}
+        missing = unseen_words(template, PHRASINGS[args.recipe])
+        new_row = {"op": op, "right": 0, "traced_as": Counter(), "unseen": missing}
         row = rows.setdefault(template, new_row)
         row["right"] += evaluate.arithmetic_correct(ep, text)
         row["traced_as"][traced_operation(text)] += 1
@@ -83,7 +91,8 @@ def main() -> None:
     write_result(
         RESULTS,
         "held_out_phrasings",
-        model=MODEL,
+        model=model,
+        recipe=args.recipe,
         adapter_path=args.lora,
         n=args.n,
         seed=args.seed,

@@ -178,7 +178,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return cmd_train_vision(args)
     from kestrel.train.run import run_sft
 
-    args.out = args.out or "out/sft-mini"
+    args.out = args.out or f"out/sft-{args.recipe}"
     trainer = run_sft(args.recipe, args.out, steps=args.steps, max_minutes=args.max_minutes, ship=args.ship)
     state = trainer.state
     print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
@@ -222,6 +222,7 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
         lora_rank=args.lora_rank,
         pretrain_minutes=args.pretrain_minutes,
         tower_from=args.tower_from,
+        resume_from=args.resume_from,
     )
     state = trainer.state
     print(f"trained {state.step} steps in {state.seconds / 60:.1f} min; held-out loss {state.eval_loss[-1][1]:.4f}")
@@ -456,7 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="vision: reuse this seeing model's pretrained tower instead of pretraining one (a retrained text model "
         "needs only stage 1 again)",
     )
-    tr.add_argument("--out", default=None, help="default: out/sft-mini, out/dflash-mini or out/vision-mini")
+    tr.add_argument(
+        "--resume-from",
+        default=None,
+        help="vision: start from this seeing model's tower, projector and vision adapter (its text model trained "
+        "further: stage 1 adjusts them)",
+    )
+    tr.add_argument("--out", default=None, help="default: out/sft-RECIPE, out/dflash-mini or out/vision-mini")
     tr.add_argument("--steps", type=int, default=None)
     tr.add_argument(
         "--max-minutes",

@@ -61,7 +61,13 @@ from kestrel.train.rollout_client import (
     check_finite,
 )
 from kestrel.train.routing_replay import sequence_logprobs
-from kestrel.train.synth.arithmetic import HELD_OUT_TEMPLATES, TRAIN_TEMPLATES, arithmetic_episode, solve
+from kestrel.train.synth.arithmetic import (
+    HELD_OUT_TEMPLATES,
+    TRAIN_TEMPLATES,
+    WIDE_TRAIN_TEMPLATES,
+    arithmetic_episode,
+    solve,
+)
 from kestrel.train.synth.episode import TRAIN, split_of
 from kestrel.train.synth.phrasing import normalized
 from kestrel.train.synth.places import place_split
@@ -188,7 +194,7 @@ def test_slip_tasks_ask_only_operands_whose_trace_has_the_slipping_step():
 def test_rl_prompts_never_use_a_held_out_phrasing_or_slot_value():
     """RL asks training slot values in the SFT phrasings and its own; its own are new to SFT and to the evaluation."""
     sft = {normalized(t) for ts, _ in TOOL_TEMPLATES.values() for t in ts}
-    sft |= {normalized(t) for ts in TRAIN_TEMPLATES.values() for t in ts}
+    sft |= {normalized(t) for ts in WIDE_TRAIN_TEMPLATES.values() for t in ts}
     held = {normalized(t) for _, hs in TOOL_TEMPLATES.values() for t in hs}
     held |= {normalized(t) for hs in HELD_OUT_TEMPLATES.values() for t in hs}
     rl = [t for ts in TOOL_RL_TEMPLATES.values() for t in ts]
@@ -201,7 +207,7 @@ def test_rl_prompts_never_use_a_held_out_phrasing_or_slot_value():
     assert {p.task for p in prompts} == {t.name for t in MINI_TASKS.tasks}
     for rl_set, sft_set in (
         (TOOL_RL_TEMPLATES, {i: t for i, (t, _) in TOOL_TEMPLATES.items()}),
-        (ARITHMETIC_RL_TEMPLATES, TRAIN_TEMPLATES),
+        (ARITHMETIC_RL_TEMPLATES, WIDE_TRAIN_TEMPLATES),
     ):
         assert used & {t for ts in rl_set.values() for t in ts} and used & {t for ts in sft_set.values() for t in ts}
     assert not {normalized(t) for t in used} & held
@@ -456,6 +462,24 @@ def test_the_mini_recipe_adapts_the_tied_candidate_within_its_budget():
     assert Path(mini.model) == TIED_DIR and (TIED_DIR / "tokenizer.json").exists()
     assert mini.config.max_minutes <= 40 and mini.config.deterministic
     check_config(mini.config)
+
+
+def test_the_wide_recipe_asks_the_mini_mix_in_its_base_s_wider_phrasings_too():
+    """`mini-wide` is `mini` on the base trained on the wider phrasings: the same tasks, weights and settings, its
+    arithmetic also asked in those phrasings, which `mini` never asks (its base never read them)."""
+    from kestrel.train.rl_tasks import WIDE_TASKS
+    from kestrel.train.synth.arithmetic import WIDER_TRAIN_TEMPLATES
+
+    mini, wide = RL_RECIPES["mini"], RL_RECIPES["mini-wide"]
+    assert wide.config == mini.config and wide.tasks is WIDE_TASKS
+    assert [(t.name, t.weight) for t in wide.tasks.tasks] == [(t.name, t.weight) for t in mini.tasks.tasks]
+    tok = Tokenizer.from_file(str(TIED_DIR / "tokenizer.json"))
+    wider = {t for ts in WIDER_TRAIN_TEMPLATES.values() for t in ts}
+
+    def templates(mix: TaskMix) -> set[str]:
+        return {p.episode.meta["template"] for p in mix.sample(random.Random(4), 400, tok) if "op" in p.episode.meta}
+
+    assert templates(WIDE_TASKS) & wider and not templates(MINI_TASKS) & wider
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,17 @@ import re
 import pytest
 
 from kestrel.chat_template import render_chat
-from kestrel.train.data import COPY_DRILLS, HELD_OUT, MINI_MIX, RANDOM_COPY_DRILLS, TRAIN, Episode, Source, episodes
+from kestrel.train.data import (
+    COPY_DRILLS,
+    HELD_OUT,
+    MINI_MIX,
+    RANDOM_COPY_DRILLS,
+    TRAIN,
+    WIDE_MIX,
+    Episode,
+    Source,
+    episodes,
+)
 from kestrel.train.evaluate import (
     CATEGORIES,
     PLACE_SLOTS,
@@ -21,7 +31,15 @@ from kestrel.train.evaluate import (
     tool_cases,
 )
 from kestrel.train.synth import copying
-from kestrel.train.synth.arithmetic import CANONICAL, HELD_OUT_TEMPLATES, TRAIN_TEMPLATES, arithmetic_episode, solve
+from kestrel.train.synth.arithmetic import (
+    CANONICAL,
+    HELD_OUT_TEMPLATES,
+    TRAIN_TEMPLATES,
+    WIDE_TRAIN_TEMPLATES,
+    WIDER_TRAIN_TEMPLATES,
+    arithmetic_episode,
+    solve,
+)
 from kestrel.train.synth.phrasing import fill, normalized
 from kestrel.train.synth.places import REAL_PLACES, place_split
 from kestrel.train.synth.tool_schemas import TOOL_DEFS, TOOL_NAMES, tool_schema
@@ -95,6 +113,27 @@ def test_held_out_phrasings_differ_from_every_training_phrasing():
     train |= {normalized(t) for ts in TRAIN_TEMPLATES.values() for t in ts}
     held = [t for _, hs in TEMPLATES.values() for t in hs] + [t for hs in HELD_OUT_TEMPLATES.values() for t in hs]
     assert held and not {normalized(t) for t in held} & train
+
+
+def test_wider_phrasings_are_new_and_share_no_frame_with_a_held_out_one():
+    """The wider set adds phrasings (none an original training one) and is not the held-out set in other words: no
+    held-out phrasing equals one, or lies inside one ("Subtract {b} from {a}." inside "Please subtract ...")."""
+    assert set(WIDER_TRAIN_TEMPLATES) == set(TRAIN_TEMPLATES)
+    wider = {normalized(t) for ts in WIDER_TRAIN_TEMPLATES.values() for t in ts}
+    assert not wider & {normalized(t) for ts in TRAIN_TEMPLATES.values() for t in ts}
+    held = {normalized(t) for hs in HELD_OUT_TEMPLATES.values() for t in hs}
+    assert not any(h in w or w in h for h in held for w in wider)
+
+
+def test_wide_mix_asks_the_wider_phrasings_in_training_and_only_held_out_ones_in_held_out():
+    train = [ep for ep in episodes(0, 3000, WIDE_MIX) if ep.kind == "arithmetic"]
+    assert all(ep.meta["template"] in WIDE_TRAIN_TEMPLATES[ep.meta["op"]] for ep in train)
+    used = collections.Counter(ep.meta["template"] for ep in train)
+    for op, extra in WIDER_TRAIN_TEMPLATES.items():
+        assert sum(used[t] for t in extra) > 0 and sum(used[t] for t in TRAIN_TEMPLATES[op]) > 0
+    held = [ep for ep in episodes(1, 600, WIDE_MIX, HELD_OUT) if ep.kind == "arithmetic"]
+    assert held and all(ep.meta["template"] in HELD_OUT_TEMPLATES[ep.meta["op"]] for ep in held)
+    assert [ep.messages for ep in episodes(0, 50)] != [ep.messages for ep in episodes(0, 50, WIDE_MIX)]
 
 
 def test_no_held_out_place_template_or_value_appears_in_training(training, held_out):

@@ -115,3 +115,19 @@ def test_a_seeded_answer_file_is_extended_with_the_missing_prompts_only(tmp_path
     assert json.loads((tmp_path / "distill_data.json").read_text()) == [list(x) for x in data]
     trainer.cfg = DFlashTrainConfig(num_prompts=2)
     assert DFlashTrainer._data(trainer) == data[:2] and len(asked) == 1
+
+
+def test_ship_installs_a_draft_beside_the_shipped_model_it_records_and_refuses_others(tiny_checkpoints, tmp_path):
+    """`--ship` puts the embedded model's draft in its asset and the tied candidate's in its `dflash/` (a test of the
+    candidate checks that draft's hash); a draft of any other model is refused before anything trains."""
+    from kestrel.models.builtin import EMBEDDED_DIR, TIED_DIR
+    from kestrel.spec.draft import EMBEDDED_DRAFT_DIR
+    from kestrel.train.dflash import run_dflash, shipped_draft_dir
+
+    assert shipped_draft_dir(EMBEDDED_DIR) == EMBEDDED_DRAFT_DIR
+    assert shipped_draft_dir(TIED_DIR) == TIED_DIR / "dflash"
+    other = tiny_checkpoints["kimi_k3"]
+    assert shipped_draft_dir(other) is None
+    with pytest.raises(ValueError, match="a shipped draft belongs to a shipped model"):
+        run_dflash(str(other), tmp_path / "run", steps=1, ship=True)
+    assert not (tmp_path / "run").exists()

@@ -81,3 +81,17 @@ def test_mini_continued_continues_the_embedded_model_with_the_copy_fixes() -> No
     assert continued.init_from == "kestrel-mini" and not continued.tie_embeddings  # the base's untied head
     assert continued.sft.dense_warmup_steps > 0 and continued.sft.max_minutes == mini.sft.max_minutes
     assert [s.name for s in continued.data[len(mini.data) :]] == ["copy_random"]
+
+
+def test_mini_wide_continues_the_tied_candidate_on_the_wider_phrasings() -> None:
+    """`mini-wide` = the tied candidate's mix with arithmetic from `WIDE_MIX`, started from the candidate's weights
+    (tied head), step-budgeted so a loaded machine trains the same model."""
+    from kestrel.models.builtin import TIED_DIR
+    from kestrel.train.data import WIDE_MIX
+
+    tied, wide = RECIPES["mini-tied"], RECIPES["mini-wide"]
+    assert wide.init_from == str(TIED_DIR) and wide.tie_embeddings
+    assert wide.data[: len(WIDE_MIX)] == WIDE_MIX and wide.data[len(WIDE_MIX) :] == tied.data[len(WIDE_MIX) :]
+    assert [s.name for s in wide.data] == [s.name for s in tied.data]
+    assert wide.data[0] != tied.data[0] and wide.data[1:] == tied.data[1:]
+    assert wide.sft.max_minutes is None and wide.sft.dense_warmup_steps == 0 and wide.sft.lr < tied.sft.lr

@@ -218,3 +218,45 @@ def test_tower_pretraining_moves_only_tower_and_projector_resumes_and_feeds_stag
     assert record["steps"] == 2 and record["from"] == "seeing"
     with pytest.raises(ValueError, match="records no pretrained tower"):
         run_vision_stage("tiny", base, tmp_path / "none", steps=1, tower_from=base)
+
+
+def test_resume_from_starts_tower_projector_and_adapter_from_a_seeing_model(tiny_checkpoints, tmp_path):
+    """`--resume-from`: after the text model trains further, stage 1 starts from the seeing model's tower (frozen),
+    projector and vision adapter instead of fresh ones; an adapter of another rank is refused by name."""
+    from kestrel.engine.vision_adapter import ADAPTER_DIR
+    from kestrel.models.lora import load_peft
+    from kestrel.train.recipes import VISION_STAGES
+    from kestrel.train.sft import trained_model
+    from kestrel.train.vision_stage import resume_projector_and_adapter, vision_adapter, vision_stage_model
+
+    base = tiny_checkpoints["kimi_k3"]
+    first = run_vision_stage("tiny", base, tmp_path / "first", steps=1, lora_rank=2)
+    source = tmp_path / "seeing"
+    shutil.copytree(base, source)
+    ship_vision(first, source, "tiny", source, pretrained={"steps": 2, "minutes": 0.0, "held_out_accuracy": {}})
+    seeing, saved = trained_model(source)[0], load_peft(source / ADAPTER_DIR)
+
+    model, _, _ = vision_stage_model(base, VISION_STAGES["tiny"].tower, seed=7)
+    adapter = vision_adapter(model, 2, seed=7)
+    resume_projector_and_adapter(model, adapter, source)
+    for name, tensor in seeing.mm_projector.state_dict().items():
+        assert torch.equal(model.mm_projector.state_dict()[name], tensor), name
+    assert set(adapter.weights) == set(saved.weights)
+    for module, (a, b) in saved.weights.items():
+        assert torch.equal(adapter.weights[module][0], a.float()) and torch.equal(adapter.weights[module][1], b.float())
+    with pytest.raises(ValueError, match="rank 2"):
+        resume_projector_and_adapter(model, vision_adapter(model, 4), source)
+
+    resumed = run_vision_stage("tiny", base, tmp_path / "resumed", steps=1, lora_rank=2, resume_from=source)
+    for name, p in resumed.model.vision_tower.named_parameters():
+        assert not p.requires_grad and torch.equal(p, seeing.vision_tower.state_dict()[name]), name
+    assert text_weights_sha256(tmp_path / "resumed" / "checkpoint") == text_weights_sha256(base)
+    with pytest.raises(ValueError, match="give one"):
+        run_vision_stage("tiny", base, tmp_path / "both", steps=1, tower_from=source, resume_from=source)
+
+
+def test_ship_refuses_a_base_that_is_not_a_shipped_model(tiny_checkpoints, tmp_path):
+    """The vision stage ships into the base's own folder only for the shipped models, and says so before training."""
+    with pytest.raises(ValueError, match="a shipped tower belongs to a shipped model"):
+        run_vision_stage("tiny", tiny_checkpoints["kimi_k3"], tmp_path / "run", steps=1, ship=True)
+    assert not (tmp_path / "run" / "checkpoint").exists()

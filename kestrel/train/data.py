@@ -10,13 +10,23 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kestrel.train.synth.arithmetic import arithmetic_episode
+from kestrel.train.synth.arithmetic import arithmetic_episode, wide_arithmetic_episode
 from kestrel.train.synth.copying import copy_episode, random_span_episode
 from kestrel.train.synth.episode import HELD_OUT, TRAIN, Episode, check_split
 from kestrel.train.synth.smalltalk import smalltalk_episode
 from kestrel.train.synth.tools import tool_episode
 
-__all__ = ["COPY_DRILLS", "HELD_OUT", "MINI_MIX", "RANDOM_COPY_DRILLS", "TRAIN", "Episode", "Source", "episodes"]
+__all__ = [
+    "COPY_DRILLS",
+    "HELD_OUT",
+    "MINI_MIX",
+    "WIDE_MIX",
+    "RANDOM_COPY_DRILLS",
+    "TRAIN",
+    "Episode",
+    "Source",
+    "episodes",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,9 @@ MINI_MIX: tuple[Source, ...] = (
     Source("tools", 0.37, tool_episode),
     Source("smalltalk", 0.08, smalltalk_episode),
 )
+# MINI_MIX with arithmetic asked in the wider training phrasings too (`WIDER_TRAIN_TEMPLATES`: the verbs the base
+# misread), the same shares.
+WIDE_MIX: tuple[Source, ...] = (Source("arithmetic", 0.55, wide_arithmetic_episode), *MINI_MIX[1:])
 COPY_DRILLS = Source("copy", 0.08, copy_episode)  # "repeat after me": the span-copying skill of a tool call, alone
 RANDOM_COPY_DRILLS = Source("copy_random", 1.0, random_span_episode)  # the same on fresh pseudo-words: copying only
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kestrel.chat_template import render_chat
-from kestrel.models.builtin import EMBEDDED_DIR, model_dir
+from kestrel.models.builtin import EMBEDDED_DIR, TIED_DIR, model_dir
 from kestrel.models.checkpoint import text_weights_sha256
 from kestrel.models.decoder import CausalLM
 from kestrel.models.forward_batch import ForwardBatch
@@ -336,7 +336,7 @@ class DFlashTrainer:
 
 
 def ship_draft(trainer: DFlashTrainer, target: Path = EMBEDDED_DRAFT_DIR) -> Path:
-    """The trained draft as the shipped default for the embedded model (fp32 safetensors + config + summary)."""
+    """The trained draft as a shipped model's default draft (bf16 safetensors + config + summary)."""
     import shutil
 
     if target.exists():
@@ -375,10 +375,18 @@ def run_dflash(
     if num_prompts is not None:
         cfg.num_prompts = num_prompts
     path = model_dir(target)
-    if ship and path.resolve() != EMBEDDED_DIR.resolve():
-        raise ValueError("--ship: the shipped draft belongs to the embedded model (--target kestrel-mini)")
+    home = shipped_draft_dir(path)
+    if ship and home is None:
+        raise ValueError("--ship: a shipped draft belongs to a shipped model (--target kestrel-mini or the tied one)")
     trainer = DFlashTrainer(path, Path(out_dir), cfg)
     trainer.train()
-    if ship and not stopped_early():
-        ship_draft(trainer)
+    if ship and home is not None and not stopped_early():
+        ship_draft(trainer, home)
     return trainer
+
+
+def shipped_draft_dir(target: Path) -> Path | None:
+    """Where `--ship` installs a draft of `target`: the embedded model's own asset, the tied candidate's `dflash/`
+    (a draft must live beside the weights it records); None for any other model."""
+    homes = {EMBEDDED_DIR.resolve(): EMBEDDED_DRAFT_DIR, TIED_DIR.resolve(): TIED_DIR / "dflash"}
+    return homes.get(Path(target).resolve())

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kestrel.models.builtin import TIED_DIR
-from kestrel.train.data import MINI_MIX, RANDOM_COPY_DRILLS, Source
+from kestrel.train.data import MINI_MIX, RANDOM_COPY_DRILLS, WIDE_MIX, Source
 from kestrel.train.grpo import ClipConfig
 from kestrel.train.rl import RLConfig
-from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, TaskMix
+from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, WIDE_TASKS, TaskMix
 from kestrel.train.sft import SFTConfig
 from kestrel.train.vision_pretrain import TowerPretrain
 
@@ -186,6 +186,18 @@ def mini_continued() -> Recipe:
     return recipe
 
 
+def mini_wide() -> Recipe:
+    """The tied candidate trained further on the wider arithmetic phrasings (`WIDE_MIX`, copy drills kept), at half
+    its peak learning rate with no dense warm-up (its indexers already re-distilled): GRPO's base when the sub
+    phrasings it misread are the gap (README: GRPO). Step-budgeted: a loaded machine trains the same model."""
+    recipe = mini_recipe("mini-wide", copy_fixes=True)
+    recipe.init_from = str(TIED_DIR)
+    recipe.data = (*WIDE_MIX, replace(RANDOM_COPY_DRILLS, weight=0.2))
+    recipe.sft.lr, recipe.sft.warmup_steps, recipe.sft.dense_warmup_steps = 1e-3, 20, 0
+    recipe.sft.steps, recipe.sft.max_minutes = 600, None
+    return recipe
+
+
 RECIPES = {
     # The embedded model: trained by `kestrel train sft --recipe mini` within 40 minutes on 2 CPU cores.
     "mini": mini_recipe("mini", copy_fixes=False),
@@ -195,6 +207,8 @@ RECIPES = {
     # The shipped kestrel-mini trained further on the wider mix with the copy drills and the dense warm-up
     # (README: "Continuing the shipped model instead"; not shipped: arithmetic rose, tool calls and no_tool did not).
     "mini-continued": mini_continued(),
+    # The tied candidate, 600 steps more on the wider arithmetic phrasings (README: GRPO, "Wider phrasings").
+    "mini-wide": mini_wide(),
     # The visual task at a small scale, with some text data mixed in: what `kestrel eval --task vision` reaches in
     # a short CPU run (the README gives the figures).
     "vision-small": Recipe(
@@ -309,6 +323,26 @@ class RLRecipe:
     model: str | None = None
 
 
+def mini_rl_config() -> RLConfig:
+    """The mini RL recipes' settings (a fresh object each: a run may edit its copy)."""
+    return RLConfig(
+        steps=21,
+        prompts_per_step=32,
+        samples_per_prompt=16,
+        minibatches=1,
+        max_new_tokens=160,
+        temperature=0.7,
+        lr=2e-3,
+        clip=ClipConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.1),
+        eval_every=6,
+        eval_n=25,
+        max_minutes=40,
+        threads=2,
+        engine_threads=1,
+        engines=2,  # one engine a core while the trainer waits (benchmarks/rl_engines.py)
+    )
+
+
 RL_RECIPES = {
     # The shipped adapter: `kestrel rl --recipe mini --ship`, within 40 minutes on 2 CPU cores (the trainer on both
     # while the engine, on one, waits: they take turns). Its base is the tied retrain, the first kestrel-mini whose
@@ -319,24 +353,12 @@ RL_RECIPES = {
     "mini": RLRecipe(
         "mini",
         MINI_TASKS,
-        RLConfig(
-            steps=21,
-            prompts_per_step=32,
-            samples_per_prompt=16,
-            minibatches=1,
-            max_new_tokens=160,
-            temperature=0.7,
-            lr=2e-3,
-            clip=ClipConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.1),
-            eval_every=6,
-            eval_n=25,
-            max_minutes=40,
-            threads=2,
-            engine_threads=1,
-            engines=2,  # one engine a core while the trainer waits (benchmarks/rl_engines.py)
-        ),
+        mini_rl_config(),
         model=str(TIED_DIR),
     ),
+    # The same run on the base `kestrel train sft --recipe mini-wide` writes (its default --out), asked in that base's
+    # wider SFT phrasings too: run rl19 in the README (not shipped).
+    "mini-wide": RLRecipe("mini-wide", WIDE_TASKS, mini_rl_config(), model="out/sft-mini-wide/checkpoint"),
     # Seconds-scale run of the same loop on any checkpoint (tests, smoke runs): reward = mostly even token ids.
     "tiny": RLRecipe(
         "tiny",

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from kestrel.train import evaluate
 from kestrel.train.synth.arithmetic import (
     TRAIN_TEMPLATES,
+    WIDE_TRAIN_TEMPLATES,
     arithmetic_episode,
     carry_comes_in,
     carry_crosses_ten,
@@ -105,12 +106,16 @@ def score(keys: Sequence[str], right: Sequence[bool]) -> dict[str, float]:
 # RL asks in the SFT phrasings and its own (never the held-out ones): wording the base has not seen gives the reward
 # variance GRPO learns from.
 ARITHMETIC_PHRASINGS = {op: TRAIN_TEMPLATES[op] + ARITHMETIC_RL_TEMPLATES[op] for op in TRAIN_TEMPLATES}
+# The same for a base trained on the wider phrasings (`kestrel train sft --recipe mini-wide`): its SFT phrasings too.
+WIDE_ARITHMETIC_PHRASINGS = {op: WIDE_TRAIN_TEMPLATES[op] + ARITHMETIC_RL_TEMPLATES[op] for op in WIDE_TRAIN_TEMPLATES}
 TOOL_PHRASINGS = {intent: train + TOOL_RL_TEMPLATES[intent] for intent, (train, _) in TOOL_TEMPLATES.items()}
 
 
-def arithmetic_prompt(op: str, digits: int | None, rng: random.Random) -> Episode:
+def arithmetic_prompt(
+    op: str, digits: int | None, rng: random.Random, phrasings: dict[str, list[str]] = ARITHMETIC_PHRASINGS
+) -> Episode:
     """A training arithmetic question, asked with the worked trace (reasoning effort high) the reward can improve."""
-    ep = arithmetic_episode(rng, TRAIN, op, digits, ARITHMETIC_PHRASINGS[op])
+    ep = arithmetic_episode(rng, TRAIN, op, digits, phrasings[op])
     ep.reasoning_effort = "high"
     return ep
 
@@ -128,11 +133,13 @@ def calls_for_a_slipping_step(op: str, a: int, b: int) -> bool:
     raise ValueError(f"calls_for_a_slipping_step: no slipping step known for {op!r}")
 
 
-def slip_prompt(op: str, digits: int | None, rng: random.Random) -> Episode:
+def slip_prompt(
+    op: str, digits: int | None, rng: random.Random, phrasings: dict[str, list[str]] = ARITHMETIC_PHRASINGS
+) -> Episode:
     """A training `op` question whose operands call for a slipping step: drawn like `arithmetic_prompt` (the same
     phrasings and split), redrawn until they do (about 1 in 6 mul draws, 1 in 2 sub and 2-digit add draws qualify)."""
     for _ in range(1000):
-        ep = arithmetic_prompt(op, digits, rng)
+        ep = arithmetic_prompt(op, digits, rng, phrasings)
         if calls_for_a_slipping_step(op, ep.meta["a"], ep.meta["b"]):
             return ep
     raise RuntimeError(f"slip_prompt: no {op} operands with a slipping step in 1000 draws")
@@ -172,23 +179,31 @@ SLIP_TASKS = (
     Task("add2_slip", 1.0, partial(slip_prompt, "add", 2), exact_answer),
 )
 
+
 # Tool requests keep the generator's share of `no_tool` requests (about 9%). A separate, heavier no_tool task taught
 # the base to decline by request type ("a timer, but no tool offered can set timers" with set_timer offered: held-out
 # set_timer 0.83 -> 0.08 in 10 steps): declining had reward variance, while the right calls were already all right
 # (zero variance, no gradient) and nothing held them.
-MINI_TASKS = TaskMix(
-    tasks=(
-        Task("sub", 1.5, partial(arithmetic_prompt, "sub", None), exact_answer),
-        Task("mul", 1.0, partial(arithmetic_prompt, "mul", None), exact_answer),
-        Task("pct", 0.75, partial(arithmetic_prompt, "pct", None), exact_answer),
-        Task("add2", 0.75, partial(arithmetic_prompt, "add", 2), exact_answer),
-        Task("tools", 2.0, partial(tool_prompt, None), exact_tool_call),
-    ),
-    held_out=(
-        HeldOut("arithmetic", held_out_arithmetic, evaluate.arithmetic_correct, 160),
-        HeldOut("tools", evaluate.tool_cases, evaluate.tool_call_correct, 96),
-    ),
-)
+def mini_tasks(phrasings: dict[str, list[str]]) -> TaskMix:
+    """The mini recipe's mix, its arithmetic asked in `phrasings` (the base's SFT phrasings plus RL's own)."""
+    return TaskMix(
+        tasks=(
+            Task("sub", 1.5, partial(arithmetic_prompt, "sub", None, phrasings=phrasings), exact_answer),
+            Task("mul", 1.0, partial(arithmetic_prompt, "mul", None, phrasings=phrasings), exact_answer),
+            Task("pct", 0.75, partial(arithmetic_prompt, "pct", None, phrasings=phrasings), exact_answer),
+            Task("add2", 0.75, partial(arithmetic_prompt, "add", 2, phrasings=phrasings), exact_answer),
+            Task("tools", 2.0, partial(tool_prompt, None), exact_tool_call),
+        ),
+        held_out=(
+            HeldOut("arithmetic", held_out_arithmetic, evaluate.arithmetic_correct, 160),
+            HeldOut("tools", evaluate.tool_cases, evaluate.tool_call_correct, 96),
+        ),
+    )
+
+
+MINI_TASKS = mini_tasks(ARITHMETIC_PHRASINGS)
+# The same mix for the base trained on the wider phrasings (run rl19 in the README).
+WIDE_TASKS = mini_tasks(WIDE_ARITHMETIC_PHRASINGS)
 
 
 # -- a task any random checkpoint can learn: seconds-scale runs of the real loop (tests, smoke runs) ---------------

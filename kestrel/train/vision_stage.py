@@ -29,11 +29,11 @@ from tokenizers import AddedToken, Tokenizer
 from kestrel.chat_template import MEDIA_PAD, MEDIA_TOKENS
 from kestrel.config import model_config_from_dict
 from kestrel.engine.vision_adapter import ADAPTER_DIR, record_base
-from kestrel.models.builtin import EMBEDDED_DIR, model_dir
+from kestrel.models.builtin import EMBEDDED_DIR, TIED_DIR, model_dir
 from kestrel.models.checkpoint import VISION_PREFIXES, init_random_, save_checkpoint, stored_dtype, text_weights_sha256
 from kestrel.models.decoder import CausalLM
 from kestrel.models.loader import build_model
-from kestrel.models.lora import LoRAAdapter
+from kestrel.models.lora import LoRAAdapter, load_peft
 from kestrel.models.vision.inputs import encode_images
 from kestrel.models.vision.preprocess import preprocess_image
 from kestrel.tokenizer import save_tokenizer
@@ -106,12 +106,15 @@ def run_vision_stage(
     pretrain_minutes: float | None = None,
     pretrain_steps: int | None = None,
     tower_from: str | Path | None = None,
+    resume_from: str | Path | None = None,
 ) -> SFTTrainer:
     """Train the stage into `out_dir` (resumable): the tower's pretraining if the stage (or `pretrain_*`) asks for
     it, in `out_dir/pretrain`, then stage 1; with a LoRA rank, its adapter lands in `out_dir/adapter`.
 
     `tower_from`: a seeing model whose pretrained tower this stage reuses instead of pretraining one. The tower's
-    pretraining never reads the text model, so a retrained text model needs only stage 1 again."""
+    pretraining never reads the text model, so a retrained text model needs only stage 1 again.
+    `resume_from`: a seeing model whose tower, projector and vision adapter this stage starts from (its text model
+    trained further, say): stage 1 then adjusts what it learnt instead of learning it again."""
     stage = copy.deepcopy(VISION_STAGES[stage_name])
     if steps is not None:
         stage.sft.steps = steps
@@ -130,14 +133,18 @@ def run_vision_stage(
     if stage.pretrain is not None and stage.pretrain.max_minutes == 0:
         stage.pretrain = None
     base_dir = model_dir(base)
-    if ship and base_dir.resolve() != EMBEDDED_DIR.resolve():
-        raise ValueError("--ship: the shipped tower belongs to the embedded model (--base kestrel-mini)")
+    if ship and base_dir.resolve() not in (EMBEDDED_DIR.resolve(), TIED_DIR.resolve()):
+        raise ValueError("--ship: a shipped tower belongs to a shipped model (--base kestrel-mini or the tied one)")
     # Text tensors are written back in the base's own dtype: bf16 → fp32 (training) → bf16 is exact.
     stage.sft.save_dtype = "bfloat16" if stored_dtype(base_dir) == torch.bfloat16 else "float32"
     torch.manual_seed(stage.sft.seed)
     model, config, tok = vision_stage_model(base_dir, stage.tower, stage.sft.seed)
     pretrained = None
-    if tower_from is not None:
+    if tower_from is not None and resume_from is not None:
+        raise ValueError("tower_from and resume_from: give one (resume_from takes the tower too)")
+    if resume_from is not None:
+        pretrained = reuse_tower(model, model_dir(resume_from))
+    elif tower_from is not None:
         pretrained = reuse_tower(model, model_dir(tower_from))
     elif stage.pretrain is not None:
         state = TowerPretrainer(model, stage.pretrain, Path(out_dir) / "pretrain").train()
@@ -148,6 +155,8 @@ def run_vision_stage(
     train = vision_episodes(stage.sft.seed + 1, stage.tower.episodes, style="short", kinds=stage.train_kinds)
     held_out = vision_episodes(HELD_OUT_SEED, stage.eval_episodes, style="short")
     adapter = vision_adapter(model, stage.lora_rank, stage.sft.seed) if stage.lora_rank else None
+    if resume_from is not None:
+        resume_projector_and_adapter(model, adapter, model_dir(resume_from))
     trainer = SFTTrainer(config, tok, train, held_out, stage.sft, out_dir, model=model, adapter=adapter)
     if pretrained is not None:  # LLaVA's stage 1: a pretrained tower stays as it is, the projector learns
         for p in model.vision_tower.parameters():
@@ -155,7 +164,7 @@ def run_vision_stage(
     state = trainer.train()
     log.info("trained %d steps in %.1f min; held-out loss %s", state.step, state.seconds / 60, state.eval_loss[-1])
     if ship and not stopped_early():
-        ship_vision(trainer, base_dir, stage_name, pretrained=pretrained)
+        ship_vision(trainer, base_dir, stage_name, target=base_dir, pretrained=pretrained)
     return trainer
 
 
@@ -184,6 +193,20 @@ def reuse_tower(model: CausalLM, source: Path) -> dict:
     model.vision_tower.load_state_dict(theirs)
     log.info("tower taken from %s (pretrained %s steps)", source, pretraining["steps"])
     return pretraining | {"from": source.name}
+
+
+def resume_projector_and_adapter(model: CausalLM, adapter: LoRAAdapter | None, source: Path) -> None:
+    """Start this stage's projector and adapter from a seeing model's (same shapes, same adapted projections)."""
+    seeing = trained_model(source)[0]
+    model.mm_projector.load_state_dict(seeing.mm_projector.state_dict())
+    if adapter is None:
+        return
+    saved = load_peft(source / ADAPTER_DIR)
+    if saved.r != adapter.r or set(saved.weights) != set(adapter.weights):
+        raise ValueError(f"resume_from: {source}'s vision adapter (rank {saved.r}) does not fit this stage's")
+    dtype = next(iter(adapter.weights.values()))[0].dtype
+    adapter.weights = {m: (a.to(dtype).clone(), b.to(dtype).clone()) for m, (a, b) in saved.weights.items()}
+    log.info("projector and vision adapter taken from %s", source)
 
 
 def ship_vision(

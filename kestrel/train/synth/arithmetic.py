@@ -96,6 +96,45 @@ HELD_OUT_TEMPLATES = {
         "How big is {a}% of {b}?",
     ],
 }
+# More training phrasings, with the verbs the ones above lack ("subtract", "taken from", "deduct", "total",
+# "less"): without them the base read "Subtract {b} from {a}." as an addition, the held-out sub phrasings'
+# 0 / 24 (benchmarks/held_out_phrasings.py). Their sentence frames differ from every held-out one (a test checks that
+# no held-out phrasing equals one or lies inside one, after normalisation). The `mini-wide` recipe trains on them; the
+# original recipes' data stays as it was, so their shipped models still come from their recipes.
+WIDER_TRAIN_TEMPLATES = {
+    "add": [
+        "{a} and {b} make how many in total?",
+        "Add up {a} and {b} and give me the total.",
+        "Give me the sum {a} + {b}.",
+        "{a} added to {b} is?",
+        "Increase {a} by {b}.",
+        "what's the total when you add {a} and {b}",
+    ],
+    "sub": [
+        "From {a}, subtract {b}.",
+        "{a} with {b} subtracted is what?",
+        "If {b} is subtracted from {a}, what is the result?",
+        "If {b} is taken from {a}, what remains?",
+        "Take {b} from {a}. What's left?",
+        "{a} less {b} is how much?",
+        "Deduct {b} from {a}.",
+        "Reduce {a} by {b}.",
+    ],
+    "mul": [
+        "Multiply {a} and {b} together.",
+        "{a} groups of {b} is how many?",
+        "{a} sets of {b} make how many?",
+        "Can you multiply {b} by {a}?",
+        "Give me {a} times {b}.",
+    ],
+    "pct": [
+        "What is {a} per cent of {b}?",
+        "Determine {a}% of {b}.",
+        "Give me {a}% of {b}.",
+        "{b} at {a}%: how much is that?",
+    ],
+}
+WIDE_TRAIN_TEMPLATES = {op: TRAIN_TEMPLATES[op] + WIDER_TRAIN_TEMPLATES[op] for op in TRAIN_TEMPLATES}
 OPERATION_WEIGHTS = {"add": 2, "sub": 2, "mul": 2, "pct": 2}
 DIGIT_CHOICES = {"add": [1, 2, 2, 2, 3], "sub": [1, 2, 2, 3], "mul": [1, 2, 2, 3]}
 PERCENTS = (5, 10, 15, 20, 25, 50)
@@ -279,3 +318,9 @@ def arithmetic_episode(
     ]
     meta = {"category": op, "op": op, "a": a, "b": b, "template": template}
     return Episode("arithmetic", messages, None, effort, answer, meta)
+
+
+def wide_arithmetic_episode(rng: random.Random, split: str = TRAIN) -> Episode:
+    """`arithmetic_episode` phrased from the wider training set (held-out questions keep the held-out phrasings)."""
+    op = rng.choices(list(OPERATION_WEIGHTS), weights=list(OPERATION_WEIGHTS.values()))[0]
+    return arithmetic_episode(rng, split, op, templates=WIDE_TRAIN_TEMPLATES[op] if split == TRAIN else None)
