@@ -47,9 +47,13 @@ def traced_operation(text: str) -> str:
     return "pct" if m.group(1) or m.group(0).startswith("So half") else TRACED_AS[m.group(2)]
 
 
-def unseen_words(template: str, phrasings: dict[str, list[str]]) -> list[str]:
-    """Words of a held-out phrasing that no training phrasing (of any operation) in `phrasings` uses."""
-    seen = {w for ts in phrasings.values() for t in ts for w in WORD.findall(t.lower())}
+def words_of(phrasings: dict[str, list[str]]) -> set[str]:
+    """Every word the phrasings (of any operation) use."""
+    return {w for ts in phrasings.values() for t in ts for w in WORD.findall(t.lower())}
+
+
+def unseen_words(template: str, seen: set[str]) -> list[str]:
+    """Words of a held-out phrasing outside `seen` (the training phrasings' words)."""
     return sorted({w for w in WORD.findall(template.lower()) if w not in {"a", "b"}} - seen)
 
 
@@ -76,11 +80,11 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=160)
     lora_name = POLICY if args.lora else None
     outs = llm.generate([evaluate.prompt_text(ep) for *_, ep in cases], params, use_tqdm=False, lora_name=lora_name)
+    seen = words_of(PHRASINGS[args.recipe])
     rows: dict[str, dict] = {}
     for (op, template, ep), out in zip(cases, outs):
         text = out.outputs[0].text
-        missing = unseen_words(template, PHRASINGS[args.recipe])
-        new_row = {"op": op, "right": 0, "traced_as": Counter(), "unseen": missing}
+        new_row = {"op": op, "right": 0, "traced_as": Counter(), "unseen": unseen_words(template, seen)}
         row = rows.setdefault(template, new_row)
         row["right"] += evaluate.arithmetic_correct(ep, text)
         row["traced_as"][traced_operation(text)] += 1
