@@ -235,7 +235,7 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
 RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
 RL_OVERRIDES = (
     ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "minibatches", "lr", "seed", "eval_every")
-    + ("temperature", "threads", "engine_threads", "engines")
+    + ("temperature", "threads", "engine_threads", "engines", "kl_anchor_share")
     + RL_CLIP_OVERRIDES
 )
 
@@ -495,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--clip-high", type=float, default=None, help="PPO clip above: ratio <= 1 + clip_high")
     rl.add_argument("--tis-cap", type=float, default=None, help="truncated importance weights: min(w, cap)")
     rl.add_argument("--kl-coef", type=float, default=None, help="k3 KL to the base in the loss (0: off)")
+    rl.add_argument(
+        "--kl-anchor-share",
+        type=float,
+        default=None,
+        help="share of the zero-variance groups trained on the KL term alone (GRPO keeps all; 0: DAPO's filter)",
+    )
     rl.add_argument("--nproc", type=int, default=1, help="data-parallel trainer ranks (one process each)")
     rl.add_argument(
         "--threads",

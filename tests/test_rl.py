@@ -5,11 +5,13 @@ pushed, a resumed run equal to an uninterrupted one, two data-parallel ranks equ
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -40,15 +42,20 @@ from kestrel.models.lora import load_peft
 from kestrel.server.serving import json_float
 from kestrel.train.grpo import ClipConfig, group_advantages, informative_groups, k3, policy_loss
 from kestrel.train.recipes import RL_RECIPES
-from kestrel.train.rl import GRPOTrainer, RLJob, check_config, run_rl, train_rank
+from kestrel.train.rl import GRPOTrainer, RLJob, check_config, kl_anchor_groups, run_rl, train_rank
 from kestrel.train.rl_ship import SUMMARY_FILE, ship_adapter
 from kestrel.train.rl_tasks import (
+    FRAMED_WIDE_TASKS,
     MINI_TASKS,
     PARITY_TASKS,
     SLIP_TASKS,
+    TOOL_PHRASINGS,
+    WIDE_ARITHMETIC_PHRASINGS,
+    WIDE_TASKS,
     Task,
     TaskMix,
     calls_for_a_slipping_step,
+    framed_prompt,
     mostly_even,
     parity_prompt,
 )
@@ -71,7 +78,12 @@ from kestrel.train.synth.arithmetic import (
 from kestrel.train.synth.episode import TRAIN, split_of
 from kestrel.train.synth.phrasing import normalized
 from kestrel.train.synth.places import place_split
-from kestrel.train.synth.rl_phrasings import ARITHMETIC_RL_TEMPLATES, TOOL_RL_TEMPLATES
+from kestrel.train.synth.rl_phrasings import (
+    ARITHMETIC_RL_TEMPLATES,
+    FRAME_PREFIXES,
+    FRAME_SUFFIXES,
+    TOOL_RL_TEMPLATES,
+)
 from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
 from kestrel.train.synth.tools import tool_episode
 
@@ -217,6 +229,39 @@ def test_rl_prompts_never_use_a_held_out_phrasing_or_slot_value():
             assert split_of(f"{meta['op']}:{meta['a']}:{meta['b']}") == TRAIN
         places = [meta["slots"][s] for s in ("city", "origin", "destination") if s in meta.get("slots", {})]
         assert all(place_split(v) == TRAIN for v in places)
+
+
+def test_no_frame_turns_a_training_phrasing_into_a_held_out_one():
+    """Every framed phrasing RL can ask (any prefix or none, any suffix or none) neither equals nor contains a
+    held-out phrasing, after normalisation: framing adds RL's own words, never the evaluation's."""
+    held = {normalized(t) for _, hs in TOOL_TEMPLATES.values() for t in hs}
+    held |= {normalized(t) for hs in HELD_OUT_TEMPLATES.values() for t in hs}
+    phrasings = [t for ts in (*WIDE_ARITHMETIC_PHRASINGS.values(), *TOOL_PHRASINGS.values()) for t in ts]
+    framed = {normalized(p + t + s) for t in phrasings for p in ("", *FRAME_PREFIXES) for s in ("", *FRAME_SUFFIXES)}
+    assert len(framed) > len(phrasings) * len(FRAME_PREFIXES)
+    assert not [(f, h) for f in framed for h in held if h in f]
+
+
+def test_framed_prompts_ask_the_same_question_inside_a_frame_about_half_the_time():
+    frames = collections.Counter()
+    for i in range(240):
+        task = WIDE_TASKS.tasks[i % len(WIDE_TASKS.tasks)]
+        bare = task.make(random.Random(i))
+        framed = framed_prompt(task.make, 0.5, random.Random(i))  # the same draws, then the frame's
+        prefix, suffix = framed.meta["frame"]
+        assert framed.messages[0]["content"] == prefix + bare.messages[0]["content"] + suffix
+        assert framed.answer == bare.answer and framed.messages[1:] == bare.messages[1:]
+        assert prefix in ("", *FRAME_PREFIXES) and suffix in ("", *FRAME_SUFFIXES)
+        frames[(bool(prefix), bool(suffix))] += 1
+    assert set(frames) == {(False, False), (True, False), (False, True), (True, True)}
+    assert 0.35 < sum(n for (p, _), n in frames.items() if p) / 240 < 0.65
+    # The framed mix has the wide mix's tasks and weights, and crosses a process boundary (spawned ranks unpickle it).
+    assert [(t.name, t.weight) for t in FRAMED_WIDE_TASKS.tasks] == [(t.name, t.weight) for t in WIDE_TASKS.tasks]
+    tok = Tokenizer.from_file(str(TIED_DIR / "tokenizer.json"))
+    again = pickle.loads(pickle.dumps(FRAMED_WIDE_TASKS))
+    assert [p.ids for p in again.sample(random.Random(5), 20, tok)] == [
+        p.ids for p in FRAMED_WIDE_TASKS.sample(random.Random(5), 20, tok)
+    ]
 
 
 # -- the loop on a tiny model, against a real engine subprocess -------------------------------------------------------
@@ -399,6 +444,42 @@ def test_two_data_parallel_ranks_train_the_adapter_one_rank_does(tiny, engine, t
     assert worst <= TINY.config.lr / 40, worst
 
 
+def test_kl_anchors_are_zero_variance_groups_drawn_the_same_on_any_rank_split():
+    cfg = dataclasses.replace(TINY.config, prompts_per_step=64, kl_anchor_share=0.5)
+    keep = torch.arange(64) % 3 == 0
+    one = kl_anchor_groups(cfg, 5, list(range(64)), keep)
+    assert not (one & keep).any() and 0.3 < one[~keep].float().mean() < 0.7
+    split = [kl_anchor_groups(cfg, 5, list(range(r, 64, 2)), keep[r::2]) for r in (0, 1)]  # two ranks' groups
+    assert torch.equal(torch.stack(split, 1).reshape(-1), one)
+    assert not torch.equal(kl_anchor_groups(cfg, 6, list(range(64)), keep), one)  # a fresh draw each step
+    assert not kl_anchor_groups(dataclasses.replace(cfg, kl_anchor_share=0.0), 5, list(range(64)), keep).any()
+    assert torch.equal(kl_anchor_groups(dataclasses.replace(cfg, kl_anchor_share=1.0), 5, list(range(64)), keep), ~keep)
+
+
+def always_right(ep, text, ids) -> float:
+    return 1.0
+
+
+def test_kl_anchors_train_every_filtered_group_on_the_kl_term_alone(tiny, engine, tmp_path):
+    """kl_anchor_share 1: every group is trained (the informative ones on the loss, the rest on the KL alone; a
+    minibatch needs an informative group to step); the rollouts are the filtered run's, and the anchors' KL moves
+    the adapter."""
+    mix = TaskMix((PARITY_TASKS.tasks[0], Task("sure", 1.0, parity_prompt, always_right)), PARITY_TASKS.held_out)
+    runs = {}
+    for share in (0.0, 1.0):
+        job = _job(tiny, engine, tmp_path / str(share), f"anchored{share}", steps=2, tasks=mix)
+        job = dataclasses.replace(job, config=dataclasses.replace(job.config, kl_anchor_share=share, minibatches=1))
+        runs[share] = train_rank(single_groups(), job).history
+    (filtered, anchored) = runs.values()
+    assert anchored[0]["reward"] == filtered[0]["reward"]  # the same rollouts at the first step
+    for row, plain in zip(anchored, filtered, strict=True):
+        assert row["kept_groups"] + row["kl_anchor_groups"] == 1.0 and plain["kl_anchor_groups"] == 0.0
+        assert row["trained_tokens"] == row["rollout_tokens"] and row["train_rollout_logprob_abs_diff_max"] == 0.0
+    assert anchored[0]["kl_anchor_groups"] > 0 and anchored[0]["trained_tokens"] > filtered[0]["trained_tokens"]
+    mine, ref = _adapter(tmp_path / "1.0"), _adapter(tmp_path / "0.0")
+    assert max((mine[k] - ref[k]).abs().max().item() for k in ref) > 0
+
+
 def test_two_engines_the_run_starts_sample_what_one_engine_does(tiny, engine, tmp_path, three_steps):
     """`engines=2`: the run starts two engines, deals the prompts to both and pushes each adapter to both; with
     batch-invariant engines the rollouts, rewards and gradients are one engine's to the last bit."""
@@ -467,7 +548,6 @@ def test_the_mini_recipe_adapts_the_tied_candidate_within_its_budget():
 def test_the_wide_recipe_asks_the_mini_mix_in_its_base_s_wider_phrasings_too():
     """`mini-wide` is `mini` on the base trained on the wider phrasings: the same tasks, weights and settings, its
     arithmetic also asked in those phrasings, which `mini` never asks (its base never read them)."""
-    from kestrel.train.rl_tasks import WIDE_TASKS
     from kestrel.train.synth.arithmetic import WIDER_TRAIN_TEMPLATES
 
     mini, wide = RL_RECIPES["mini"], RL_RECIPES["mini-wide"]
@@ -480,6 +560,8 @@ def test_the_wide_recipe_asks_the_mini_mix_in_its_base_s_wider_phrasings_too():
         return {p.episode.meta["template"] for p in mix.sample(random.Random(4), 400, tok) if "op" in p.episode.meta}
 
     assert templates(WIDE_TASKS) & wider and not templates(MINI_TASKS) & wider
+    framed = RL_RECIPES["mini-wide-framed"]  # run rl21: the same run, its prompts framed
+    assert framed.config == wide.config and framed.model == wide.model and framed.tasks is FRAMED_WIDE_TASKS
 
 
 @pytest.mark.parametrize(
@@ -491,6 +573,8 @@ def test_the_wide_recipe_asks_the_mini_mix_in_its_base_s_wider_phrasings_too():
         ({"clip": ClipConfig(clip_low=1.0)}, "clip.clip_low"),
         ({"clip": ClipConfig(tis_cap=0.5)}, "clip.tis_cap"),
         ({"clip": ClipConfig(kl_coef=-1.0)}, "clip.kl_coef"),
+        ({"kl_anchor_share": 1.5}, "kl_anchor_share"),
+        ({"kl_anchor_share": 0.5, "clip": ClipConfig(kl_coef=0.0)}, "kl_anchor_share"),
         ({"lora_targets": ()}, "lora_targets"),
         ({"engine_threads": 0}, "engine_threads"),
         ({"engines": 0}, "engines"),

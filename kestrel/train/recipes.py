@@ -9,7 +9,7 @@ from kestrel.models.builtin import TIED_DIR
 from kestrel.train.data import MINI_MIX, RANDOM_COPY_DRILLS, WIDE_MIX, Source
 from kestrel.train.grpo import ClipConfig
 from kestrel.train.rl import RLConfig
-from kestrel.train.rl_tasks import MINI_TASKS, PARITY_TASKS, WIDE_TASKS, TaskMix
+from kestrel.train.rl_tasks import FRAMED_WIDE_TASKS, MINI_TASKS, PARITY_TASKS, WIDE_TASKS, TaskMix
 from kestrel.train.sft import SFTConfig
 from kestrel.train.vision_pretrain import TowerPretrain
 
@@ -359,6 +359,10 @@ RL_RECIPES = {
     # The same run on the base `kestrel train sft --recipe mini-wide` writes (its default --out), asked in that base's
     # wider SFT phrasings too: run rl19 in the README (not shipped).
     "mini-wide": RLRecipe("mini-wide", WIDE_TASKS, mini_rl_config(), model="out/sft-mini-wide/checkpoint"),
+    # rl19's run with its questions framed by RL's own prefixes and suffixes (run rl21 in the README, not shipped).
+    "mini-wide-framed": RLRecipe(
+        "mini-wide-framed", FRAMED_WIDE_TASKS, mini_rl_config(), model="out/sft-mini-wide/checkpoint"
+    ),
     # Seconds-scale run of the same loop on any checkpoint (tests, smoke runs): reward = mostly even token ids.
     "tiny": RLRecipe(
         "tiny",

@@ -83,6 +83,10 @@ class RLConfig:
     threads: int = 1  # torch threads of each trainer rank
     engine_threads: int | None = None  # torch threads of each engine the recipe starts (None: `threads`)
     engines: int = 1  # engines the run starts when given none; prompts are dealt to them in turn
+    # Share of the zero-variance groups (dropped by dynamic filtering) still trained on the KL term alone. GRPO's
+    # loss keeps every group, so its KL holds the behaviour the policy already gets right; DAPO drops them and has no
+    # KL. With the filter and a KL, nothing holds what every sample gets right (`kl_anchor_groups`).
+    kl_anchor_share: float = 0.0
 
 
 def check_config(cfg: RLConfig, nproc: int = 1) -> None:
@@ -104,6 +108,8 @@ def check_config(cfg: RLConfig, nproc: int = 1) -> None:
     need(cfg.clip.clip_high >= 0, "clip.clip_high", "must be >= 0")
     need(cfg.clip.tis_cap >= 1, "clip.tis_cap", "must be >= 1 (a weight of 1 means the engine and trainer agree)")
     need(cfg.clip.kl_coef >= 0, "clip.kl_coef", "must be >= 0")
+    need(0 <= cfg.kl_anchor_share <= 1, "kl_anchor_share", "must be in [0, 1]")
+    need(cfg.kl_anchor_share == 0 or cfg.clip.kl_coef > 0, "kl_anchor_share", "needs clip.kl_coef > 0 (KL alone)")
     need(cfg.lora_rank >= 1, "lora_rank", "must be >= 1")
     need(len(cfg.lora_targets) > 0, "lora_targets", "must name at least one projection")
     need(cfg.eval_every >= 0, "eval_every", "must be >= 0 (0: never)")
@@ -170,6 +176,13 @@ def capture_fields(model_cfg) -> list[str]:
     """The routing records this model's replay consumes."""
     fields = ["routed_experts"] if "moe" in model_cfg.mlp_kinds else []
     return fields + (["indexer_topk"] if "dsa" in model_cfg.layer_kinds else [])
+
+
+def kl_anchor_groups(cfg: RLConfig, step: int, groups: list[int], keep: torch.Tensor) -> torch.Tensor:
+    """Which of `groups` (global indices; `keep` marks the informative ones) carry the KL term alone: a seeded draw
+    per global group, the same whichever rank holds it, so N ranks anchor the groups one rank does."""
+    draw = torch.rand(cfg.prompts_per_step, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+    return ~keep & (draw[groups] < cfg.kl_anchor_share)
 
 
 def _reduce(values: list[float], groups: Groups, device, op=dist.ReduceOp.SUM) -> list[float]:
@@ -333,14 +346,18 @@ class GRPOTrainer:
         rewards = torch.tensor(rows, dtype=torch.float64).reshape(len(mine), cfg.samples_per_prompt)
         advantages = group_advantages(rewards)
         keep = informative_groups(rewards)
+        anchors = kl_anchor_groups(cfg, step, mine, keep)  # advantage 0: the KL term alone
         generated = sum(len(r.output_ids) for group in sampled for r, _ in group)
 
         # Minibatch m holds the global groups [m·P/M, (m+1)·P/M): the same split whatever the number of ranks.
         batches: list[list[tuple[Rollout, float]]] = [[] for _ in range(cfg.minibatches)]
+        # The loss's normaliser: anchors add their KL, not weight (a minibatch without an informative group skips).
+        informative_tokens = [0] * cfg.minibatches
         for i, g in enumerate(mine):
-            if keep[i]:
+            if keep[i] or anchors[i]:
                 m = g * cfg.minibatches // cfg.prompts_per_step
                 batches[m] += [(r, float(a)) for (r, _), a in zip(sampled[i], advantages[i])]
+                informative_tokens[m] += sum(len(r.output_ids) for r, _ in sampled[i]) if keep[i] else 0
 
         t1 = time.perf_counter()
         micro = [micro_batches(batch, cfg.micro_batch_tokens) for batch in batches]
@@ -351,9 +368,8 @@ class GRPOTrainer:
 
         sums = dict(tokens=0.0, clipped=0.0, ppo_kl=0.0, ref_k3=0.0, tis=0.0, tis_truncated=0.0, diff=0.0, diff_k3=0.0)
         diff_max, grad_norms = 0.0, []
-        for m, batch in enumerate(batches):
-            local = sum(len(r.output_ids) for r, _ in batch)
-            (total,) = _reduce([local], self.groups, self.device)
+        for m in range(cfg.minibatches):
+            (total,) = _reduce([informative_tokens[m]], self.groups, self.device)
             if total == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=False)
@@ -377,6 +393,7 @@ class GRPOTrainer:
 
         stats = _reduce(
             [float(rewards.sum()), float(rewards.numel()), float(keep.sum()), float(generated), float(model_tokens)]
+            + [float(anchors.sum())]
             + per_task
             + list(sums.values()),
             self.groups,
@@ -384,14 +401,15 @@ class GRPOTrainer:
         )
         maxima = _reduce([diff_max, rollout_s, train_s], self.groups, self.device, dist.ReduceOp.MAX)
         diff_max, rollout_s, train_s = maxima
-        reward_sum, reward_n, kept, generated, model_tokens = stats[:5]
-        task_stats, s = stats[5 : 5 + len(per_task)], dict(zip(sums, stats[5 + len(per_task) :]))
+        reward_sum, reward_n, kept, generated, model_tokens, anchored = stats[:6]
+        task_stats, s = stats[6 : 6 + len(per_task)], dict(zip(sums, stats[6 + len(per_task) :]))
         tok = max(s["tokens"], 1.0)
         row: dict[str, Any] = {
             "step": step + 1,
             "adapter_version": self.version[0],  # the version every rollout of this step reported
             "reward": reward_sum / reward_n,
             "kept_groups": kept / cfg.prompts_per_step,
+            "kl_anchor_groups": anchored / cfg.prompts_per_step,
             "train_rollout_logprob_abs_diff": s["diff"] / tok,
             "train_rollout_logprob_abs_diff_max": diff_max,
             "train_rollout_k3": s["diff_k3"] / tok,

@@ -27,7 +27,12 @@ from kestrel.train.synth.arithmetic import (
     subtraction_columns,
 )
 from kestrel.train.synth.episode import TRAIN, Episode
-from kestrel.train.synth.rl_phrasings import ARITHMETIC_RL_TEMPLATES, TOOL_RL_TEMPLATES
+from kestrel.train.synth.rl_phrasings import (
+    ARITHMETIC_RL_TEMPLATES,
+    FRAME_PREFIXES,
+    FRAME_SUFFIXES,
+    TOOL_RL_TEMPLATES,
+)
 from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
 from kestrel.train.synth.tools import tool_episode
 
@@ -160,6 +165,22 @@ def exact_tool_call(ep: Episode, text: str, ids: list[int]) -> float:
     return float(evaluate.tool_call_correct(ep, text))
 
 
+def framed(ep: Episode, rng: random.Random, share: float) -> Episode:
+    """`ep` with, at probability `share`, its user turn inside one of RL's frames (a prefix or a suffix, one each at
+    most): the question and its expected answer are unchanged. The frame is recorded in `meta["frame"]`."""
+    prefix = rng.choice(FRAME_PREFIXES) if rng.random() < share else ""
+    suffix = rng.choice(FRAME_SUFFIXES) if rng.random() < share else ""
+    turn = next(m for m in ep.messages if m["role"] == "user")
+    turn["content"] = prefix + turn["content"] + suffix
+    ep.meta["frame"] = (prefix, suffix)
+    return ep
+
+
+def framed_prompt(make: Callable[[random.Random], Episode], share: float, rng: random.Random) -> Episode:
+    """A prompt from `make`, framed by `framed` (a module-level function: spawned ranks unpickle the mix)."""
+    return framed(make(rng), rng, share)
+
+
 def held_out_arithmetic(n: int) -> list[tuple[str, Episode]]:
     """The evaluation's arithmetic cases, asked with the worked trace as `kestrel eval` does."""
     cases = evaluate.arithmetic_cases(n)
@@ -201,9 +222,17 @@ def mini_tasks(phrasings: dict[str, list[str]]) -> TaskMix:
     )
 
 
+def framed_tasks(mix: TaskMix, share: float) -> TaskMix:
+    """`mix` with every task's prompts framed by `framed` at `share` (each of prefix and suffix), held-out unchanged."""
+    tasks = tuple(Task(t.name, t.weight, partial(framed_prompt, t.make, share), t.reward) for t in mix.tasks)
+    return TaskMix(tasks, mix.held_out)
+
+
 MINI_TASKS = mini_tasks(ARITHMETIC_PHRASINGS)
 # The same mix for the base trained on the wider phrasings (run rl19 in the README).
 WIDE_TASKS = mini_tasks(WIDE_ARITHMETIC_PHRASINGS)
+# rl19's mix with its prompts framed (run rl21 in the README): about half the questions carry a prefix, half a suffix.
+FRAMED_WIDE_TASKS = framed_tasks(WIDE_TASKS, 0.5)
 
 
 # -- a task any random checkpoint can learn: seconds-scale runs of the real loop (tests, smoke runs) ---------------
