@@ -166,8 +166,8 @@ def exact_tool_call(ep: Episode, text: str, ids: list[int]) -> float:
 
 
 def framed(ep: Episode, rng: random.Random, share: float) -> Episode:
-    """`ep` with, at probability `share`, its user turn inside one of RL's frames (a prefix or a suffix, one each at
-    most): the question and its expected answer are unchanged. The frame is recorded in `meta["frame"]`."""
+    """`ep` with its user turn inside RL's frames: a prefix with probability `share` and, independently, a suffix.
+    The question and its expected answer are unchanged; the frame is recorded in `meta["frame"]`."""
     prefix = rng.choice(FRAME_PREFIXES) if rng.random() < share else ""
     suffix = rng.choice(FRAME_SUFFIXES) if rng.random() < share else ""
     turn = next(m for m in ep.messages if m["role"] == "user")
