@@ -123,7 +123,7 @@ TOOL_RL_TEMPLATES: dict[str, list[str]] = {
 # in their frame ("I need ..., please.", "... for me.") as in their verb, and GRPO on bare training phrasings moved the
 # base's reading of those frames at random (rl19: add2 in held-out phrasings -9.7 points, both "I need ..." phrasings
 # down). Asking the training phrasings inside frames of RL's own rewards the same answer whatever surrounds the
-# question (rl21 in the README: it halved rl19's loss there, but did not remove it). None of these words frames a
+# question (rl21 in the README: it lost less there than rl19, but still lost). None of these words frames a
 # held-out phrasing (a test checks that no framed phrasing equals or contains one, after normalisation).
 FRAME_PREFIXES: tuple[str, ...] = (
     "Quick question: ",
