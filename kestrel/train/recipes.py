@@ -323,6 +323,10 @@ class RLRecipe:
     model: str | None = None
 
 
+# Where `kestrel train sft --recipe mini-wide` writes its model (its default --out): the wide RL recipes' base.
+WIDE_BASE = "out/sft-mini-wide/checkpoint"
+
+
 def mini_rl_config() -> RLConfig:
     """The mini RL recipes' settings (a fresh object each: a run may edit its copy)."""
     return RLConfig(
@@ -358,11 +362,9 @@ RL_RECIPES = {
     ),
     # The same run on the base `kestrel train sft --recipe mini-wide` writes (its default --out), asked in that base's
     # wider SFT phrasings too: run rl19 in the README (not shipped).
-    "mini-wide": RLRecipe("mini-wide", WIDE_TASKS, mini_rl_config(), model="out/sft-mini-wide/checkpoint"),
+    "mini-wide": RLRecipe("mini-wide", WIDE_TASKS, mini_rl_config(), model=WIDE_BASE),
     # rl19's run with its questions framed by RL's own prefixes and suffixes (run rl21 in the README, not shipped).
-    "mini-wide-framed": RLRecipe(
-        "mini-wide-framed", FRAMED_WIDE_TASKS, mini_rl_config(), model="out/sft-mini-wide/checkpoint"
-    ),
+    "mini-wide-framed": RLRecipe("mini-wide-framed", FRAMED_WIDE_TASKS, mini_rl_config(), model=WIDE_BASE),
     # Seconds-scale run of the same loop on any checkpoint (tests, smoke runs): reward = mostly even token ids.
     "tiny": RLRecipe(
         "tiny",
