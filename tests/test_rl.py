@@ -48,6 +48,7 @@ from kestrel.train.rl_tasks import (
     FRAMED_WIDE_TASKS,
     MINI_TASKS,
     PARITY_TASKS,
+    READING_WIDE_TASKS,
     SLIP_TASKS,
     TOOL_PHRASINGS,
     WIDE_ARITHMETIC_PHRASINGS,
@@ -82,6 +83,7 @@ from kestrel.train.synth.rl_phrasings import (
     ARITHMETIC_RL_TEMPLATES,
     FRAME_PREFIXES,
     FRAME_SUFFIXES,
+    READING_RL_TEMPLATES,
     TOOL_RL_TEMPLATES,
 )
 from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
@@ -210,7 +212,7 @@ def test_rl_prompts_never_use_a_held_out_phrasing_or_slot_value():
     held = {normalized(t) for _, hs in TOOL_TEMPLATES.values() for t in hs}
     held |= {normalized(t) for hs in HELD_OUT_TEMPLATES.values() for t in hs}
     rl = [t for ts in TOOL_RL_TEMPLATES.values() for t in ts]
-    rl += [t for ts in ARITHMETIC_RL_TEMPLATES.values() for t in ts]
+    rl += [t for ts in (*ARITHMETIC_RL_TEMPLATES.values(), *READING_RL_TEMPLATES.values()) for t in ts]
     assert set(TOOL_RL_TEMPLATES) == set(TOOL_TEMPLATES) and set(ARITHMETIC_RL_TEMPLATES) == set(TRAIN_TEMPLATES)
     assert not {normalized(t) for t in rl} & (sft | held)  # (units and currencies share a phrasing, as in SFT)
 
@@ -240,6 +242,19 @@ def test_no_frame_turns_a_training_phrasing_into_a_held_out_one():
     framed = {normalized(p + t + s) for t in phrasings for p in ("", *FRAME_PREFIXES) for s in ("", *FRAME_SUFFIXES)}
     assert len(framed) > len(phrasings) * len(FRAME_PREFIXES)
     assert not [(f, h) for f in framed for h in held if h in f]
+
+
+def test_reading_phrasings_are_no_held_out_phrasing_nor_one_a_word_away():
+    """The phrasings rl23 asks in the frames the wide base misreads neither contain a held-out phrasing nor differ
+    from one by a single word (a swapped verb would teach the test's own sentence)."""
+    held = [normalized(t).split() for hs in HELD_OUT_TEMPLATES.values() for t in hs]
+    for op, templates in READING_RL_TEMPLATES.items():
+        for t in templates:
+            words = normalized(t).split()
+            assert {"{a}", "{b}"} <= set(words) and op in ARITHMETIC_RL_TEMPLATES
+            assert not [h for h in held if " ".join(h) in " ".join(words)]
+            one_word_away = [h for h in held if len(h) == len(words) and sum(x != y for x, y in zip(h, words)) <= 1]
+            assert not one_word_away, (t, one_word_away)
 
 
 def test_framed_prompts_ask_the_same_question_inside_a_frame_about_half_the_time():
@@ -562,6 +577,38 @@ def test_the_wide_recipe_asks_the_mini_mix_in_its_base_s_wider_phrasings_too():
     assert templates(WIDE_TASKS) & wider and not templates(MINI_TASKS) & wider
     framed = RL_RECIPES["mini-wide-framed"]  # run rl21: the same run, its prompts framed
     assert framed.config == wide.config and framed.model == wide.model and framed.tasks is FRAMED_WIDE_TASKS
+
+
+def test_the_reading_recipe_is_the_anchored_wide_run_plus_questions_in_misread_frames():
+    """`mini-wide-reading` (run rl23) is rl22: the wide mix at a KL of 1.0 that also holds half the zero-variance
+    groups, plus add2 and sub asked only in the reading phrasings, in training operands."""
+    wide, reading = RL_RECIPES["mini-wide"], RL_RECIPES["mini-wide-reading"]
+    assert reading.model == wide.model and reading.tasks is READING_WIDE_TASKS
+    assert reading.config.kl_anchor_share == 0.5 and reading.config.clip.kl_coef == 1.0
+    assert dataclasses.replace(reading.config, kl_anchor_share=0.0, clip=wide.config.clip) == wide.config
+    assert wide.config.kl_anchor_share == 0.0 and wide.config.clip.kl_coef == 0.1  # the edit made a copy
+    check_config(reading.config)
+    assert READING_WIDE_TASKS.tasks[: len(WIDE_TASKS.tasks)] == WIDE_TASKS.tasks
+    assert READING_WIDE_TASKS.held_out == WIDE_TASKS.held_out
+    tok = Tokenizer.from_file(str(TIED_DIR / "tokenizer.json"))
+    prompts = READING_WIDE_TASKS.sample(random.Random(6), 400, tok)
+    reading_templates = {t for ts in READING_RL_TEMPLATES.values() for t in ts}
+    seen: dict[str, set[str]] = collections.defaultdict(set)
+    for p in prompts:
+        meta = p.episode.meta
+        if p.task.endswith("_reading"):
+            assert meta["template"] in READING_RL_TEMPLATES[meta["op"]]
+            assert split_of(f"{meta['op']}:{meta['a']}:{meta['b']}") == TRAIN
+            assert meta["op"] == "sub" or 10 <= meta["a"] <= 99 and 10 <= meta["b"] <= 99
+            seen[p.task].add(meta["template"])
+        elif "template" in meta:
+            assert meta["template"] not in reading_templates  # the wide tasks ask as rl19 and rl22 did
+    assert seen["add2_reading"] == set(READING_RL_TEMPLATES["add"])
+    assert seen["sub_reading"] == set(READING_RL_TEMPLATES["sub"])
+    again = pickle.loads(pickle.dumps(READING_WIDE_TASKS))  # spawned ranks unpickle the mix
+    assert [p.ids for p in again.sample(random.Random(5), 30, tok)] == [
+        p.ids for p in READING_WIDE_TASKS.sample(random.Random(5), 30, tok)
+    ]
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from kestrel.train.synth.rl_phrasings import (
     ARITHMETIC_RL_TEMPLATES,
     FRAME_PREFIXES,
     FRAME_SUFFIXES,
+    READING_RL_TEMPLATES,
     TOOL_RL_TEMPLATES,
 )
 from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
@@ -233,6 +234,16 @@ MINI_TASKS = mini_tasks(ARITHMETIC_PHRASINGS)
 WIDE_TASKS = mini_tasks(WIDE_ARITHMETIC_PHRASINGS)
 # rl19's mix with its prompts framed (run rl21 in the README): about half the questions carry a prefix, half a suffix.
 FRAMED_WIDE_TASKS = framed_tasks(WIDE_TASKS, 0.5)
+# rl19's mix plus add2 and sub asked only in the frames the wide base misreads (run rl23 in the README): RL's mul
+# prompts reward reading "{a} and {b}" as a product, and nothing in rl19's mix rewarded reading it as a sum.
+READING_WIDE_TASKS = TaskMix(
+    tasks=WIDE_TASKS.tasks
+    + (
+        Task("add2_reading", 1.0, partial(arithmetic_prompt, "add", 2, phrasings=READING_RL_TEMPLATES), exact_answer),
+        Task("sub_reading", 0.5, partial(arithmetic_prompt, "sub", None, phrasings=READING_RL_TEMPLATES), exact_answer),
+    ),
+    held_out=WIDE_TASKS.held_out,
+)
 
 
 # -- a task any random checkpoint can learn: seconds-scale runs of the real loop (tests, smoke runs) ---------------
