@@ -137,16 +137,16 @@ FRAME_PREFIXES: tuple[str, ...] = (
 )
 FRAME_SUFFIXES: tuple[str, ...] = (" Thanks!", " Thank you.", " Cheers.", " Be quick.")
 
-# Addition and subtraction asked in the sentence frames the wide base misreads (rl23 in the README). On that base
-# "... {a} and {b} ..." without an operator word is traced as a multiplication ("What is the product of {a} and
-# {b}?" is a training phrasing, and RL's mul prompts reward that reading), and a trailing clause (", thanks.", "for
-# me.") makes it misread digits. Each phrasing here is one the base gets right only some of the time, so its groups
-# have reward variance. Greedy, 24 training-operand questions each (2-digit add): "{a} and {b}: what is their sum?"
-# 16 (traced as mul 8), "How much do ... come to together?" 8 (mul 12), "What do ... add up to?" 19, "Work out the
-# sum ..., thanks." 13 and "Add {b} onto {a} for me." 2 (both traced as add: misread digits); sub "What is {a} with
-# {b} taken away?" 16, "Remove {b} from {a}. What's left?" 18. They were chosen by that probe, after the per-phrasing
-# grading of rl19-rl22 showed where the held-out frames fail; none equals or contains a held-out phrasing, and none
-# is a held-out phrasing with one word changed (a test checks both after normalisation).
+# Addition and subtraction asked in the sentence frames the wide base misreads (rl23 in the README). On that base "...
+# {a} and {b} ..." without an operator word is traced as a multiplication ("What is the product of {a} and {b}?" is a
+# training phrasing, and RL's mul prompts reward that reading), and a trailing clause (", please.", "for me.") goes with
+# misread digits ("I need 70 + 79, please." was traced as 0+0, 7+7). Each phrasing here is one the base gets right only
+# some of the time, so its groups have reward variance. Greedy, 24 training-operand questions each (2-digit add): "{a}
+# and {b}: what is their sum?" 16 (traced as mul 8), "How much do ... come to together?" 8 (mul 12), "What do ... add up
+# to?" 19, "Work out the sum ..., thanks." 13 and "Add {b} onto {a} for me." 2 (both traced as add, yet wrong); sub
+# "What is {a} with {b} taken away?" 16, "Remove {b} from {a}. What's left?" 18. They were chosen by that probe, after
+# the per-phrasing grading of rl19-rl22 showed where the held-out frames fail; none equals or contains a held-out
+# phrasing, and none is a held-out phrasing with one word changed (a test checks both after normalisation).
 READING_RL_TEMPLATES: dict[str, list[str]] = {
     "add": [
         "{a} and {b}: what is their sum?",
