@@ -25,6 +25,7 @@ from kestrel.train.rl_tasks import (
     TOOL_PHRASINGS,
     WIDE_ARITHMETIC_PHRASINGS,
     WIDE_TASKS,
+    WORDS_WIDE_TASKS,
     TaskMix,
     calls_for_a_slipping_step,
     framed_prompt,
@@ -45,6 +46,7 @@ from kestrel.train.synth.rl_phrasings import (
     FRAME_SUFFIXES,
     READING_RL_TEMPLATES,
     TOOL_RL_TEMPLATES,
+    WORD_RL_TEMPLATES,
 )
 from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
 from kestrel.train.synth.tools import tool_episode
@@ -112,7 +114,8 @@ def test_rl_prompts_never_use_a_held_out_phrasing_or_slot_value():
     held = {normalized(t) for _, hs in TOOL_TEMPLATES.values() for t in hs}
     held |= {normalized(t) for hs in HELD_OUT_TEMPLATES.values() for t in hs}
     rl = [t for ts in TOOL_RL_TEMPLATES.values() for t in ts]
-    rl += [t for ts in (*ARITHMETIC_RL_TEMPLATES.values(), *READING_RL_TEMPLATES.values()) for t in ts]
+    own = (ARITHMETIC_RL_TEMPLATES, READING_RL_TEMPLATES, WORD_RL_TEMPLATES)
+    rl += [t for templates in own for ts in templates.values() for t in ts]
     assert set(TOOL_RL_TEMPLATES) == set(TOOL_TEMPLATES) and set(ARITHMETIC_RL_TEMPLATES) == set(TRAIN_TEMPLATES)
     assert not {normalized(t) for t in rl} & (sft | held)  # (units and currencies share a phrasing, as in SFT)
 
@@ -145,16 +148,18 @@ def test_no_frame_turns_a_training_phrasing_into_a_held_out_one():
 
 
 def test_reading_phrasings_are_no_held_out_phrasing_nor_one_a_word_away():
-    """The phrasings rl23 asks in the frames the wide base misreads neither contain a held-out phrasing nor differ
-    from one by a single word (a swapped verb would teach the test's own sentence)."""
+    """The phrasings rl23 and rl26 ask in the frames and words the wide base misreads neither contain a held-out
+    phrasing, nor differ from one by a single word (a swapped verb would teach the test's own sentence), nor end as one
+    does from its first slot on (the test's question with another opening)."""
     held = [normalized(t).split() for hs in HELD_OUT_TEMPLATES.values() for t in hs]
-    for op, templates in READING_RL_TEMPLATES.items():
-        for t in templates:
-            words = normalized(t).split()
-            assert {"{a}", "{b}"} <= set(words) and op in ARITHMETIC_RL_TEMPLATES
-            assert not [h for h in held if " ".join(h) in " ".join(words)]
-            one_word_away = [h for h in held if len(h) == len(words) and sum(x != y for x, y in zip(h, words)) <= 1]
-            assert not one_word_away, (t, one_word_away)
+    tails = [h[min(h.index("{a}"), h.index("{b}")) :] for h in held]
+    for op, t in [(op, t) for d in (READING_RL_TEMPLATES, WORD_RL_TEMPLATES) for op, ts in d.items() for t in ts]:
+        words = normalized(t).split()
+        assert {"{a}", "{b}"} <= set(words) and op in ARITHMETIC_RL_TEMPLATES
+        assert not [h for h in held if " ".join(h) in " ".join(words)]
+        one_word_away = [h for h in held if len(h) == len(words) and sum(x != y for x, y in zip(h, words)) <= 1]
+        assert not one_word_away, (t, one_word_away)
+        assert not [tail for tail in tails if words[-len(tail) :] == tail], t
 
 
 def test_framed_prompts_ask_the_same_question_inside_a_frame_about_half_the_time():
@@ -236,4 +241,29 @@ def test_the_reading_recipe_is_the_anchored_wide_run_plus_questions_in_misread_f
     again = pickle.loads(pickle.dumps(READING_WIDE_TASKS))  # spawned ranks unpickle the mix
     assert [p.ids for p in again.sample(random.Random(5), 30, tok)] == [
         p.ids for p in READING_WIDE_TASKS.sample(random.Random(5), 30, tok)
+    ]
+
+
+def test_the_words_recipe_is_the_reading_run_plus_mul_and_sub_in_misread_words():
+    """`mini-wide-words` (run rl26) is rl23's run plus mul and sub asked only in `WORD_RL_TEMPLATES`, in training
+    operands; rl23's tasks never ask those phrasings."""
+    reading, words = RL_RECIPES["mini-wide-reading"], RL_RECIPES["mini-wide-words"]
+    assert words.model == reading.model and words.config == reading.config and words.tasks is WORDS_WIDE_TASKS
+    assert WORDS_WIDE_TASKS.tasks[: len(READING_WIDE_TASKS.tasks)] == READING_WIDE_TASKS.tasks
+    assert WORDS_WIDE_TASKS.held_out == READING_WIDE_TASKS.held_out
+    tok = Tokenizer.from_file(str(TIED_DIR / "tokenizer.json"))
+    word_templates = {t for ts in WORD_RL_TEMPLATES.values() for t in ts}
+    seen: dict[str, set[str]] = collections.defaultdict(set)
+    for p in WORDS_WIDE_TASKS.sample(random.Random(7), 500, tok):
+        meta = p.episode.meta
+        if p.task.endswith("_words"):
+            assert meta["op"] == p.task.removesuffix("_words") and meta["template"] in WORD_RL_TEMPLATES[meta["op"]]
+            assert split_of(f"{meta['op']}:{meta['a']}:{meta['b']}") == TRAIN
+            seen[p.task].add(meta["template"])
+        elif "template" in meta:
+            assert meta["template"] not in word_templates
+    assert seen == {f"{op}_words": set(ts) for op, ts in WORD_RL_TEMPLATES.items()}
+    again = pickle.loads(pickle.dumps(WORDS_WIDE_TASKS))  # spawned ranks unpickle the mix
+    assert [p.ids for p in again.sample(random.Random(5), 30, tok)] == [
+        p.ids for p in WORDS_WIDE_TASKS.sample(random.Random(5), 30, tok)
     ]

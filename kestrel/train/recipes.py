@@ -15,6 +15,7 @@ from kestrel.train.rl_tasks import (
     PARITY_TASKS,
     READING_WIDE_TASKS,
     WIDE_TASKS,
+    WORDS_WIDE_TASKS,
     TaskMix,
 )
 from kestrel.train.sft import SFTConfig
@@ -382,6 +383,8 @@ RL_RECIPES = {
     # rl22's run (rl19 with half the zero-variance groups held by a KL of 1.0) with add2 and sub also asked in the
     # frames the wide base misreads (run rl23 in the README, not shipped).
     "mini-wide-reading": RLRecipe("mini-wide-reading", READING_WIDE_TASKS, anchored_rl_config(), model=WIDE_BASE),
+    # rl23's run with mul and sub also asked with the operation words the wide base misreads (run rl26, not shipped).
+    "mini-wide-words": RLRecipe("mini-wide-words", WORDS_WIDE_TASKS, anchored_rl_config(), model=WIDE_BASE),
     # Seconds-scale run of the same loop on any checkpoint (tests, smoke runs): reward = mostly even token ids.
     "tiny": RLRecipe(
         "tiny",
