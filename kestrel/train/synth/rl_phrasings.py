@@ -163,15 +163,15 @@ READING_RL_TEMPLATES: dict[str, list[str]] = {
 
 # Multiplication and subtraction asked with the operation words the wide base misreads (rl26 in the README). rl23 and
 # rl24 lost mul in held-out phrasings ("What is {a} multiplied by {b}?"): "multiplied" is in no SFT phrasing, and the
-# base traces it as a subtraction about half the time, or miscopies the operands; "take away" with {a} first (the SFT
-# phrasing is "Take {b} away from {a}.") goes with swapped or miscopied operands. Greedy, 24 training-operand questions
-# each: "{a} multiplied by {b} makes what?" 12 right (traced as sub 8), "Work out {a} multiplied by {b} for me." 18,
-# "What does {a} multiplied by {b} give?" 6, "{b} copies of {a} come to how many?" 10; sub "Start with {a} and take
-# away {b}. What's left?" 14, "{a}, take away {b}: what remains?" 7, "{a} take away {b} is how much?" 20. Chosen by
-# that probe after reading the held-out failures (so the words, not the sentences, come from the test); the probe's
-# "Tell me / Find / Could you find {a} multiplied by {b}" were left out as the held-out sentence with its opening
-# swapped. None equals or contains a held-out phrasing, is one word from one, or ends as one does from its first slot
-# on (tested, with `READING_RL_TEMPLATES`).
+# base traces it as a subtraction in 2 to 21 of 24 questions by frame, or miscopies the operands; "take away" with {a}
+# first (the SFT phrasing is "Take {b} away from {a}.") goes with swapped or miscopied operands. Greedy, 24
+# training-operand questions each: "{a} multiplied by {b} makes what?" 12 right (traced as sub 8), "Work out {a}
+# multiplied by {b} for me." 18, "What does {a} multiplied by {b} give?" 6, "{b} copies of {a} come to how many?" 10;
+# sub "Start with {a} and take away {b}. What's left?" 14, "{a}, take away {b}: what remains?" 7, "{a} take away {b} is
+# how much?" 20. Chosen by that probe after reading the held-out failures (so the words, not the sentences, come from
+# the test); the probe's "Tell me / Find / Could you find {a} multiplied by {b}" were left out as the held-out sentence
+# with its opening swapped. None equals or contains a held-out phrasing, is one word from one, or ends as one does from
+# its first slot on (tested, with `READING_RL_TEMPLATES`).
 WORD_RL_TEMPLATES: dict[str, list[str]] = {
     "sub": [
         "Start with {a} and take away {b}. What's left?",
