@@ -52,6 +52,30 @@ from kestrel.train.synth.tool_templates import TEMPLATES as TOOL_TEMPLATES
 from kestrel.train.synth.tools import tool_episode
 
 
+def assert_pickles(mix: TaskMix, tok: Tokenizer, n: int) -> None:
+    """The mix crosses a process boundary (spawned ranks unpickle it) and draws the same prompts there."""
+    again = pickle.loads(pickle.dumps(mix))
+    drawn = [p.ids for p in mix.sample(random.Random(5), n, tok)]
+    assert [p.ids for p in again.sample(random.Random(5), n, tok)] == drawn
+
+
+def own_phrasing_draws(mix: TaskMix, suffix: str, templates: dict[str, list[str]], tok: Tokenizer, seed: int):
+    """Sample 500 prompts: the tasks named `*suffix` ask only `templates` (of their operation) in training operands,
+    the others never ask them. Returns the prompts and the phrasings each such task drew."""
+    own = {t for ts in templates.values() for t in ts}
+    seen: dict[str, set[str]] = collections.defaultdict(set)
+    prompts = mix.sample(random.Random(seed), 500, tok)
+    for p in prompts:
+        meta = p.episode.meta
+        if p.task.endswith(suffix):
+            assert meta["template"] in templates[meta["op"]]
+            assert split_of(f"{meta['op']}:{meta['a']}:{meta['b']}") == TRAIN
+            seen[p.task].add(meta["template"])
+        elif "template" in meta:
+            assert meta["template"] not in own
+    return prompts, seen
+
+
 def test_rewards_are_exact_final_answers_and_exact_tool_calls():
     rng = random.Random(5)
     sub, tools = MINI_TASKS.task("sub"), MINI_TASKS.task("tools")
@@ -147,7 +171,7 @@ def test_no_frame_turns_a_training_phrasing_into_a_held_out_one():
     assert not [(f, h) for f in framed for h in held if h in f]
 
 
-def test_reading_phrasings_are_no_held_out_phrasing_nor_one_a_word_away():
+def test_reading_and_word_phrasings_are_no_held_out_phrasing_nor_near_one():
     """The phrasings rl23 and rl26 ask in the frames and words the wide base misreads neither contain a held-out
     phrasing, nor differ from one by a single word (a swapped verb would teach the test's own sentence), nor end as one
     does from its first slot on (the test's question with another opening)."""
@@ -177,11 +201,7 @@ def test_framed_prompts_ask_the_same_question_inside_a_frame_about_half_the_time
     assert 0.35 < sum(n for (p, _), n in frames.items() if p) / 240 < 0.65
     # The framed mix has the wide mix's tasks and weights, and crosses a process boundary (spawned ranks unpickle it).
     assert [(t.name, t.weight) for t in FRAMED_WIDE_TASKS.tasks] == [(t.name, t.weight) for t in WIDE_TASKS.tasks]
-    tok = Tokenizer.from_file(str(TIED_DIR / "tokenizer.json"))
-    again = pickle.loads(pickle.dumps(FRAMED_WIDE_TASKS))
-    assert [p.ids for p in again.sample(random.Random(5), 20, tok)] == [
-        p.ids for p in FRAMED_WIDE_TASKS.sample(random.Random(5), 20, tok)
-    ]
+    assert_pickles(FRAMED_WIDE_TASKS, Tokenizer.from_file(str(TIED_DIR / "tokenizer.json")), 20)
 
 
 # -- the recipes ------------------------------------------------------------------------------------------------------
@@ -224,24 +244,12 @@ def test_the_reading_recipe_is_the_anchored_wide_run_plus_questions_in_misread_f
     assert READING_WIDE_TASKS.tasks[: len(WIDE_TASKS.tasks)] == WIDE_TASKS.tasks
     assert READING_WIDE_TASKS.held_out == WIDE_TASKS.held_out
     tok = Tokenizer.from_file(str(TIED_DIR / "tokenizer.json"))
-    prompts = READING_WIDE_TASKS.sample(random.Random(6), 400, tok)
-    reading_templates = {t for ts in READING_RL_TEMPLATES.values() for t in ts}
-    seen: dict[str, set[str]] = collections.defaultdict(set)
-    for p in prompts:
-        meta = p.episode.meta
-        if p.task.endswith("_reading"):
-            assert meta["template"] in READING_RL_TEMPLATES[meta["op"]]
-            assert split_of(f"{meta['op']}:{meta['a']}:{meta['b']}") == TRAIN
-            assert meta["op"] == "sub" or 10 <= meta["a"] <= 99 and 10 <= meta["b"] <= 99
-            seen[p.task].add(meta["template"])
-        elif "template" in meta:
-            assert meta["template"] not in reading_templates  # the wide tasks ask as rl19 and rl22 did
-    assert seen["add2_reading"] == set(READING_RL_TEMPLATES["add"])
-    assert seen["sub_reading"] == set(READING_RL_TEMPLATES["sub"])
-    again = pickle.loads(pickle.dumps(READING_WIDE_TASKS))  # spawned ranks unpickle the mix
-    assert [p.ids for p in again.sample(random.Random(5), 30, tok)] == [
-        p.ids for p in READING_WIDE_TASKS.sample(random.Random(5), 30, tok)
-    ]
+    # The wide tasks ask as rl19 and rl22 did; add2_reading asks 2-digit sums.
+    prompts, seen = own_phrasing_draws(READING_WIDE_TASKS, "_reading", READING_RL_TEMPLATES, tok, seed=6)
+    for meta in [p.episode.meta for p in prompts if p.task == "add2_reading"]:
+        assert 10 <= meta["a"] <= 99 and 10 <= meta["b"] <= 99
+    assert seen == {"add2_reading": set(READING_RL_TEMPLATES["add"]), "sub_reading": set(READING_RL_TEMPLATES["sub"])}
+    assert_pickles(READING_WIDE_TASKS, tok, 30)
 
 
 def test_the_words_recipe_is_the_reading_run_plus_mul_and_sub_in_misread_words():
@@ -252,18 +260,7 @@ def test_the_words_recipe_is_the_reading_run_plus_mul_and_sub_in_misread_words()
     assert WORDS_WIDE_TASKS.tasks[: len(READING_WIDE_TASKS.tasks)] == READING_WIDE_TASKS.tasks
     assert WORDS_WIDE_TASKS.held_out == READING_WIDE_TASKS.held_out
     tok = Tokenizer.from_file(str(TIED_DIR / "tokenizer.json"))
-    word_templates = {t for ts in WORD_RL_TEMPLATES.values() for t in ts}
-    seen: dict[str, set[str]] = collections.defaultdict(set)
-    for p in WORDS_WIDE_TASKS.sample(random.Random(7), 500, tok):
-        meta = p.episode.meta
-        if p.task.endswith("_words"):
-            assert meta["op"] == p.task.removesuffix("_words") and meta["template"] in WORD_RL_TEMPLATES[meta["op"]]
-            assert split_of(f"{meta['op']}:{meta['a']}:{meta['b']}") == TRAIN
-            seen[p.task].add(meta["template"])
-        elif "template" in meta:
-            assert meta["template"] not in word_templates
+    prompts, seen = own_phrasing_draws(WORDS_WIDE_TASKS, "_words", WORD_RL_TEMPLATES, tok, seed=7)
+    assert all(p.episode.meta["op"] == p.task.removesuffix("_words") for p in prompts if p.task.endswith("_words"))
     assert seen == {f"{op}_words": set(ts) for op, ts in WORD_RL_TEMPLATES.items()}
-    again = pickle.loads(pickle.dumps(WORDS_WIDE_TASKS))  # spawned ranks unpickle the mix
-    assert [p.ids for p in again.sample(random.Random(5), 30, tok)] == [
-        p.ids for p in WORDS_WIDE_TASKS.sample(random.Random(5), 30, tok)
-    ]
+    assert_pickles(WORDS_WIDE_TASKS, tok, 30)
