@@ -235,7 +235,7 @@ def cmd_train_vision(args: argparse.Namespace) -> int:
 RL_CLIP_OVERRIDES = ("clip_low", "clip_high", "tis_cap", "kl_coef")
 RL_OVERRIDES = (
     ("steps", "max_minutes", "prompts_per_step", "samples_per_prompt", "minibatches", "lr", "seed", "eval_every")
-    + ("temperature", "threads", "engine_threads", "engines", "kl_anchor_share")
+    + ("temperature", "threads", "engine_threads", "engines", "kl_anchor_share", "step_credit")
     + RL_CLIP_OVERRIDES
 )
 
@@ -500,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="share of the zero-variance groups trained on the KL term alone (GRPO keeps all; 0: DAPO's filter)",
+    )
+    rl.add_argument(
+        "--step-credit",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a wrong worked trace's negative advantage from its first false step on (default: the recipe's)",
     )
     rl.add_argument("--nproc", type=int, default=1, help="data-parallel trainer ranks (one process each)")
     rl.add_argument(

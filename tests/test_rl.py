@@ -333,6 +333,30 @@ def test_kl_anchors_train_every_filtered_group_on_the_kl_term_alone(tiny, engine
     assert max((mine[k] - ref[k]).abs().max().item() for k in ref) > 0
 
 
+def second_half(text: str) -> int | None:
+    """A stand-in locator: every completion's "first false step" is halfway through its text."""
+    return len(text) // 2 if len(text) > 1 else None
+
+
+def test_step_credit_trains_a_wrong_rollout_only_from_its_located_step(tiny, engine, tmp_path):
+    """The same rollouts with and without step credit: the wrong ones located, their tokens before the step left
+    out of the policy gradient (still counted in the token mean), so the adapters differ."""
+    t = PARITY_TASKS.tasks[0]
+    mix = TaskMix((Task(t.name, t.weight, t.make, t.reward, second_half),), PARITY_TASKS.held_out)
+    runs = {}
+    for on in (False, True):
+        job = _job(tiny, engine, tmp_path / str(on), f"credit{on}", steps=1, tasks=mix)
+        runs[on] = train_rank(
+            single_groups(), dataclasses.replace(job, config=dataclasses.replace(job.config, step_credit=on))
+        )
+    plain, credited = runs[False].history[0], runs[True].history[0]
+    assert credited["reward"] == plain["reward"] and credited["trained_tokens"] == plain["trained_tokens"]
+    assert plain["step_credit_located"] is None and credited["step_credit_located"] > 0
+    assert credited["step_credit_unblamed_tokens"] > 0
+    mine, ref = _adapter(tmp_path / "True"), _adapter(tmp_path / "False")
+    assert max((mine[k] - ref[k]).abs().max().item() for k in ref) > 0
+
+
 def test_two_engines_the_run_starts_sample_what_one_engine_does(tiny, engine, tmp_path, three_steps):
     """`engines=2`: the run starts two engines, deals the prompts to both and pushes each adapter to both; with
     batch-invariant engines the rollouts, rewards and gradients are one engine's to the last bit."""

@@ -375,6 +375,9 @@ RL_RECIPES = {
         mini_rl_config(),
         model=str(TIED_DIR),
     ),
+    # The shipped recipe with step credit: a wrong trace blamed from its first false step on, its right steps before
+    # it left alone (`kestrel.train.step_credit`; run rl27 in the README).
+    "mini-step": RLRecipe("mini-step", MINI_TASKS, replace(mini_rl_config(), step_credit=True), model=str(TIED_DIR)),
     # The same run on the base `kestrel train sft --recipe mini-wide` writes (its default --out), asked in that base's
     # wider SFT phrasings too: run rl19 in the README (not shipped).
     "mini-wide": RLRecipe("mini-wide", WIDE_TASKS, mini_rl_config(), model=WIDE_BASE),

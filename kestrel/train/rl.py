@@ -51,6 +51,7 @@ from kestrel.train.rl_curves import plot_curves
 from kestrel.train.rl_tasks import Prompt, TaskMix, score
 from kestrel.train.rollout_client import EngineProcess, RolloutClient, adapter_checksum, check_finite, check_versions
 from kestrel.train.routing_replay import Rollout, sequence_logprobs
+from kestrel.train.step_credit import Credit, step_credit
 from kestrel.train.stop_signal import STOP
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class RLConfig:
     # loss keeps every group, so its KL holds the behaviour the policy already gets right; DAPO drops them and has no
     # KL. With the filter and a KL, nothing holds what every sample gets right (`kl_anchor_groups`).
     kl_anchor_share: float = 0.0
+    # A wrong trace's negative advantage applies from its first false step on, not to the right steps before it
+    # (`kestrel.train.step_credit`; tasks without a `locate`, the tool calls, keep it on every token).
+    step_credit: bool = False
 
 
 def check_config(cfg: RLConfig, nproc: int = 1) -> None:
@@ -192,9 +196,9 @@ def _reduce(values: list[float], groups: Groups, device, op=dist.ReduceOp.SUM) -
     return x.tolist()
 
 
-def micro_batches(rollouts: list[tuple[Rollout, float]], budget: int) -> list[list[tuple[Rollout, float]]]:
+def micro_batches(rollouts: list[tuple[Rollout, Credit]], budget: int) -> list[list[tuple[Rollout, Credit]]]:
     """Rollouts sorted by length, packed while (count x longest) stays within `budget` padded tokens."""
-    out: list[list[tuple[Rollout, float]]] = []
+    out: list[list[tuple[Rollout, Credit]]] = []
     for item in sorted(rollouts, key=lambda ra: len(ra[0].input_ids)):
         if out and (len(out[-1]) + 1) * len(item[0].input_ids) <= budget:
             out[-1].append(item)
@@ -350,14 +354,25 @@ class GRPOTrainer:
         generated = sum(len(r.output_ids) for group in sampled for r, _ in group)
 
         # Minibatch m holds the global groups [m·P/M, (m+1)·P/M): the same split whatever the number of ranks.
-        batches: list[list[tuple[Rollout, float]]] = [[] for _ in range(cfg.minibatches)]
+        batches: list[list[tuple[Rollout, Credit]]] = [[] for _ in range(cfg.minibatches)]
         # The loss's normaliser: anchors add their KL, not weight (a minibatch without an informative group skips).
         informative_tokens = [0] * cfg.minibatches
+        blamed = [0, 0, 0]  # with step credit: wrong rollouts trained, of them located, their tokens before the step
         for i, g in enumerate(mine):
             if keep[i] or anchors[i]:
                 m = g * cfg.minibatches // cfg.prompts_per_step
-                batches[m] += [(r, float(a)) for (r, _), a in zip(sampled[i], advantages[i])]
+                locate = self.job.tasks.task(prompts[g].task).locate if cfg.step_credit and keep[i] else None
+                credits = [
+                    step_credit(self.tok, r.output_ids, float(a), locate)
+                    for (r, _), a in zip(sampled[i], advantages[i])
+                ]
+                batches[m] += [(r, c) for (r, _), c in zip(sampled[i], credits)]
                 informative_tokens[m] += sum(len(r.output_ids) for r, _ in sampled[i]) if keep[i] else 0
+                if locate is not None:
+                    wrong = [c for c in credits if c.advantage < 0]
+                    blamed[0] += len(wrong)
+                    blamed[1] += sum(c.from_token > 0 for c in wrong)
+                    blamed[2] += sum(c.from_token for c in wrong)
 
         t1 = time.perf_counter()
         micro = [micro_batches(batch, cfg.micro_batch_tokens) for batch in batches]
@@ -380,7 +395,8 @@ class GRPOTrainer:
                 # The engine reports raw logprobs; its tempered one is the trainer's shifted by their difference
                 # (exact when they agree, as under --deterministic-inference, where every TIS weight is 1).
                 rollout = old - (old_raw - engine)
-                adv = torch.tensor([a for r, a in mb for _ in r.output_ids], dtype=old.dtype, device=self.device)
+                per_token = [x for r, c in mb for x in c.per_token(len(r.output_ids))]
+                adv = torch.tensor(per_token, dtype=old.dtype, device=self.device)
                 terms = policy_loss(logp, old, rollout, adv, cfg.clip, None if refs is None else refs[m][j])
                 (terms.loss / total).backward()
                 self._accumulate(sums, terms, old_raw, engine)
@@ -394,6 +410,7 @@ class GRPOTrainer:
         stats = _reduce(
             [float(rewards.sum()), float(rewards.numel()), float(keep.sum()), float(generated), float(model_tokens)]
             + [float(anchors.sum())]
+            + [float(b) for b in blamed]
             + per_task
             + list(sums.values()),
             self.groups,
@@ -401,8 +418,8 @@ class GRPOTrainer:
         )
         maxima = _reduce([diff_max, rollout_s, train_s], self.groups, self.device, dist.ReduceOp.MAX)
         diff_max, rollout_s, train_s = maxima
-        reward_sum, reward_n, kept, generated, model_tokens, anchored = stats[:6]
-        task_stats, s = stats[6 : 6 + len(per_task)], dict(zip(sums, stats[6 + len(per_task) :]))
+        reward_sum, reward_n, kept, generated, model_tokens, anchored, wrong, located, unblamed = stats[:9]
+        task_stats, s = stats[9 : 9 + len(per_task)], dict(zip(sums, stats[9 + len(per_task) :]))
         tok = max(s["tokens"], 1.0)
         row: dict[str, Any] = {
             "step": step + 1,
@@ -410,6 +427,10 @@ class GRPOTrainer:
             "reward": reward_sum / reward_n,
             "kept_groups": kept / cfg.prompts_per_step,
             "kl_anchor_groups": anchored / cfg.prompts_per_step,
+            # step credit: the share of wrong traces trained whose first false step was found, and the tokens before
+            # it (advantage 0) per wrong trace
+            "step_credit_located": located / wrong if cfg.step_credit and wrong else None,
+            "step_credit_unblamed_tokens": unblamed / wrong if cfg.step_credit and wrong else None,
             "train_rollout_logprob_abs_diff": s["diff"] / tok,
             "train_rollout_logprob_abs_diff_max": diff_max,
             "train_rollout_k3": s["diff_k3"] / tok,

@@ -18,6 +18,7 @@ from functools import partial
 from tokenizers import Tokenizer
 
 from kestrel.train import evaluate
+from kestrel.train.step_credit import first_false_step
 from kestrel.train.synth.arithmetic import (
     TRAIN_TEMPLATES,
     WIDE_TRAIN_TEMPLATES,
@@ -40,6 +41,7 @@ from kestrel.train.synth.tools import tool_episode
 
 Correct = Callable[[Episode, str], bool]  # (episode, completion text) -> right?
 Reward = Callable[[Episode, str, list[int]], float]  # (episode, completion text, completion token ids) -> reward
+Locate = Callable[[str], int | None]  # completion text -> offset of its first false step (None: none found)
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,14 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Task:
-    """One kind of RL prompt: `make(rng)` draws a training episode, `reward` scores one sampled completion."""
+    """One kind of RL prompt: `make(rng)` draws a training episode, `reward` scores one sampled completion, `locate`
+    finds where a wrong one first goes wrong (for `--step-credit`; None: the task's completions are not traces)."""
 
     name: str
     weight: float
     make: Callable[[random.Random], Episode]
     reward: Reward
+    locate: Locate | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,12 @@ def exact_answer(ep: Episode, text: str, ids: list[int]) -> float:
     return float(evaluate.arithmetic_correct(ep, text))
 
 
+def arithmetic_task(name: str, weight: float, make: Callable[[random.Random], Episode]) -> Task:
+    """A task of worked arithmetic questions: the exact final answer rewarded, a wrong trace's first false step
+    located (`kestrel.train.step_credit`)."""
+    return Task(name, weight, make, exact_answer, first_false_step)
+
+
 def exact_tool_call(ep: Episode, text: str, ids: list[int]) -> float:
     """1.0 for exactly one call of the expected tool with exactly the expected JSON arguments."""
     return float(evaluate.tool_call_correct(ep, text))
@@ -197,9 +207,9 @@ def held_out_arithmetic(n: int) -> list[tuple[str, Episode]]:
 # plain draws (benchmarks/grpo_signal.py). rl16 trained on the first two and lost add2 (a carry added twice); rl17
 # added add2_slip, which held add2 (README: GRPO).
 SLIP_TASKS = (
-    Task("sub_slip", 1.0, partial(slip_prompt, "sub", None), exact_answer),
-    Task("mul_slip", 1.0, partial(slip_prompt, "mul", None), exact_answer),
-    Task("add2_slip", 1.0, partial(slip_prompt, "add", 2), exact_answer),
+    arithmetic_task("sub_slip", 1.0, partial(slip_prompt, "sub", None)),
+    arithmetic_task("mul_slip", 1.0, partial(slip_prompt, "mul", None)),
+    arithmetic_task("add2_slip", 1.0, partial(slip_prompt, "add", 2)),
 )
 
 
@@ -211,10 +221,10 @@ def mini_tasks(phrasings: dict[str, list[str]]) -> TaskMix:
     """The mini recipe's mix, its arithmetic asked in `phrasings` (the base's SFT phrasings plus RL's own)."""
     return TaskMix(
         tasks=(
-            Task("sub", 1.5, partial(arithmetic_prompt, "sub", None, phrasings=phrasings), exact_answer),
-            Task("mul", 1.0, partial(arithmetic_prompt, "mul", None, phrasings=phrasings), exact_answer),
-            Task("pct", 0.75, partial(arithmetic_prompt, "pct", None, phrasings=phrasings), exact_answer),
-            Task("add2", 0.75, partial(arithmetic_prompt, "add", 2, phrasings=phrasings), exact_answer),
+            arithmetic_task("sub", 1.5, partial(arithmetic_prompt, "sub", None, phrasings=phrasings)),
+            arithmetic_task("mul", 1.0, partial(arithmetic_prompt, "mul", None, phrasings=phrasings)),
+            arithmetic_task("pct", 0.75, partial(arithmetic_prompt, "pct", None, phrasings=phrasings)),
+            arithmetic_task("add2", 0.75, partial(arithmetic_prompt, "add", 2, phrasings=phrasings)),
             Task("tools", 2.0, partial(tool_prompt, None), exact_tool_call),
         ),
         held_out=(
@@ -226,7 +236,7 @@ def mini_tasks(phrasings: dict[str, list[str]]) -> TaskMix:
 
 def framed_tasks(mix: TaskMix, share: float) -> TaskMix:
     """`mix` with every task's prompts framed by `framed` at `share` (each of prefix and suffix), held-out unchanged."""
-    tasks = tuple(Task(t.name, t.weight, partial(framed_prompt, t.make, share), t.reward) for t in mix.tasks)
+    tasks = tuple(Task(t.name, t.weight, partial(framed_prompt, t.make, share), t.reward, t.locate) for t in mix.tasks)
     return TaskMix(tasks, mix.held_out)
 
 
@@ -240,8 +250,8 @@ FRAMED_WIDE_TASKS = framed_tasks(WIDE_TASKS, 0.5)
 READING_WIDE_TASKS = TaskMix(
     tasks=WIDE_TASKS.tasks
     + (
-        Task("add2_reading", 1.0, partial(arithmetic_prompt, "add", 2, phrasings=READING_RL_TEMPLATES), exact_answer),
-        Task("sub_reading", 0.5, partial(arithmetic_prompt, "sub", None, phrasings=READING_RL_TEMPLATES), exact_answer),
+        arithmetic_task("add2_reading", 1.0, partial(arithmetic_prompt, "add", 2, phrasings=READING_RL_TEMPLATES)),
+        arithmetic_task("sub_reading", 0.5, partial(arithmetic_prompt, "sub", None, phrasings=READING_RL_TEMPLATES)),
     ),
     held_out=WIDE_TASKS.held_out,
 )
@@ -250,8 +260,8 @@ READING_WIDE_TASKS = TaskMix(
 WORDS_WIDE_TASKS = TaskMix(
     tasks=READING_WIDE_TASKS.tasks
     + (
-        Task("mul_words", 1.0, partial(arithmetic_prompt, "mul", None, phrasings=WORD_RL_TEMPLATES), exact_answer),
-        Task("sub_words", 0.5, partial(arithmetic_prompt, "sub", None, phrasings=WORD_RL_TEMPLATES), exact_answer),
+        arithmetic_task("mul_words", 1.0, partial(arithmetic_prompt, "mul", None, phrasings=WORD_RL_TEMPLATES)),
+        arithmetic_task("sub_words", 0.5, partial(arithmetic_prompt, "sub", None, phrasings=WORD_RL_TEMPLATES)),
     ),
     held_out=WIDE_TASKS.held_out,
 )
