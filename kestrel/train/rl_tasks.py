@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from tokenizers import Tokenizer
@@ -236,7 +236,7 @@ def mini_tasks(phrasings: dict[str, list[str]]) -> TaskMix:
 
 def framed_tasks(mix: TaskMix, share: float) -> TaskMix:
     """`mix` with every task's prompts framed by `framed` at `share` (each of prefix and suffix), held-out unchanged."""
-    tasks = tuple(Task(t.name, t.weight, partial(framed_prompt, t.make, share), t.reward, t.locate) for t in mix.tasks)
+    tasks = tuple(replace(t, make=partial(framed_prompt, t.make, share)) for t in mix.tasks)
     return TaskMix(tasks, mix.held_out)
 
 
